@@ -1,0 +1,123 @@
+#include "ndarray.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "numpy_api.h"
+
+namespace torchshm {
+namespace {
+
+PyArrayObject* as_ndarray(py::handle obj) {
+  TORCH_CHECK(PyArray_Check(obj.ptr()), "expected a numpy.ndarray, got ",
+              std::string(py::str(py::type::handle_of(obj))));
+  return reinterpret_cast<PyArrayObject*>(obj.ptr());
+}
+
+std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
+                                      const std::vector<int64_t>& shape,
+                                      const std::vector<int64_t>& strides) {
+  int64_t lo = 0;
+  int64_t hi = itemsize;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0) return {0, 0};
+    const int64_t reach = (shape[d] - 1) * strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi};
+}
+
+// Below this, one thread copies: starting threads costs more than it saves.
+constexpr int64_t kMinBytesPerThread = 8 << 20;
+
+void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n,
+                     int threads) {
+  const int64_t useful = std::max<int64_t>(1, n / kMinBytesPerThread);
+  const int64_t workers = std::min<int64_t>(std::max(threads, 1), useful);
+  if (workers == 1) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  const int64_t chunk = (n + workers - 1) / workers;
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) {
+    const int64_t begin = w * chunk;
+    const int64_t len = std::min(chunk, n - begin);
+    if (len > 0)
+      pool.emplace_back([=] { std::memcpy(dst + begin, src + begin, len); });
+  }
+  std::memcpy(dst, src, std::min(chunk, n));
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> byte_extent(py::handle array) {
+  PyArrayObject* arr = as_ndarray(array);
+  const int nd = PyArray_NDIM(arr);
+  std::vector<int64_t> shape(PyArray_DIMS(arr), PyArray_DIMS(arr) + nd);
+  std::vector<int64_t> strides(PyArray_STRIDES(arr),
+                               PyArray_STRIDES(arr) + nd);
+  return extent_of(PyArray_ITEMSIZE(arr), shape, strides);
+}
+
+int64_t data_address(py::handle array) {
+  return reinterpret_cast<int64_t>(PyArray_DATA(as_ndarray(array)));
+}
+
+void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
+                 int threads) {
+  const auto [lo, hi] = byte_extent(array);
+  const int64_t n = hi - lo;
+  TORCH_CHECK(dest.is_contiguous() && dest.scalar_type() == at::kChar,
+              "expected a contiguous int8 tensor as destination");
+  TORCH_CHECK(dest_offset >= 0 && dest_offset + n <= dest.numel(),
+              "copy of ", n, " bytes at offset ", dest_offset,
+              " overflows a destination of ", dest.numel(), " bytes");
+  const auto* src =
+      static_cast<const uint8_t*>(PyArray_DATA(as_ndarray(array))) + lo;
+  auto* dst = static_cast<uint8_t*>(dest.data_ptr()) + dest_offset;
+  // The caller's reference keeps `array` alive while the GIL is released.
+  py::gil_scoped_release no_gil;
+  parallel_memcpy(dst, src, n, threads);
+}
+
+py::object wrap_ndarray(const at::Tensor& owner, int64_t offset,
+                        py::handle dtype, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& strides, bool writeable) {
+  TORCH_CHECK(owner.is_contiguous() && owner.scalar_type() == at::kChar,
+              "expected a contiguous int8 tensor as owner");
+  TORCH_CHECK(shape.size() == strides.size() && shape.size() <= NPY_MAXDIMS,
+              "expected shape and strides of one rank, got ", shape.size(),
+              " and ", strides.size());
+  PyArray_Descr* descr = nullptr;
+  // PyArray_DescrConverter returns a new reference, which
+  // PyArray_NewFromDescr steals.
+  if (!PyArray_DescrConverter(dtype.ptr(), &descr))
+    throw py::error_already_set();
+  const auto [lo, hi] = extent_of(descr_itemsize(descr), shape, strides);
+  if (hi > lo && (offset + lo < 0 || offset + hi > owner.numel())) {
+    Py_DECREF(descr);
+    TORCH_CHECK(false, "view [", offset + lo, ", ", offset + hi,
+                ") reaches outside its storage of ", owner.numel(), " bytes");
+  }
+  std::vector<npy_intp> dims(shape.begin(), shape.end());
+  std::vector<npy_intp> steps(strides.begin(), strides.end());
+  auto* data = static_cast<char*>(owner.data_ptr()) + offset;
+  PyObject* arr = PyArray_NewFromDescr(
+      &PyArray_Type, descr, static_cast<int>(dims.size()), dims.data(),
+      steps.data(), data, writeable ? NPY_ARRAY_WRITEABLE : 0, nullptr);
+  if (arr == nullptr) throw py::error_already_set();
+  py::object result = py::reinterpret_steal<py::object>(arr);
+  py::object base = py::cast(owner);
+  // SetBaseObject steals a reference to the base.
+  if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(arr),
+                            base.release().ptr()) != 0)
+    throw py::error_already_set();
+  PyArray_UpdateFlags(reinterpret_cast<PyArrayObject*>(arr),
+                      NPY_ARRAY_UPDATE_ALL);
+  return result;
+}
+
+}  // namespace torchshm

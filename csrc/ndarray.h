@@ -1,0 +1,32 @@
+// ndarray <-> byte ranges: the extent a view spans, copies into a segment with
+// the GIL released, and rebuilding a view over a torch storage.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace torchshm {
+
+// The bytes a view spans, as [lo, hi) offsets from its data pointer: lo <= 0
+// when some stride is negative. A zero-size array spans nothing: (0, 0).
+std::pair<int64_t, int64_t> byte_extent(py::handle array);
+
+// The array's data pointer as an integer (for grouping views of one buffer).
+int64_t data_address(py::handle array);
+
+// Copies the bytes `array` spans into `dest` (a contiguous int8 tensor) at
+// `dest_offset`. Runs without the GIL and splits large copies over `threads`.
+void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
+                 int threads);
+
+// An ndarray over `owner` (a contiguous int8 tensor) whose first element is at
+// byte `offset`; the array's base is `owner`, which keeps the memory alive.
+// Every element the view can reach must lie inside `owner`.
+py::object wrap_ndarray(const at::Tensor& owner, int64_t offset,
+                        py::handle dtype, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& strides, bool writeable);
+
+}  // namespace torchshm

@@ -1,0 +1,44 @@
+"""torchshm: NumPy arrays between processes through torch shared memory.
+
+`import torchshm` registers reducers with multiprocessing's ForkingPickler:
+every non-object ndarray of at least get_threshold() bytes that a Queue, Pipe,
+Pool or DataLoader sends travels through shared memory and is rebuilt on the
+receiving side without a copy. Set TORCHSHM_DISABLE=1 to import without
+registering.
+"""
+
+import os
+
+import torch  # noqa: F401  - loads libtorch before the extension
+
+from torchshm._compat import load_native
+
+_C = load_native()
+
+from torchshm._config import get_threshold, set_threshold  # noqa: E402
+from torchshm._reduction import is_shared  # noqa: E402
+from torchshm._registry import (  # noqa: E402
+    disabled,
+    is_registered,
+    register,
+    unregister,
+)
+from torchshm._share import share  # noqa: E402
+from torchshm._stats import reset_stats, stats  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "disabled",
+    "get_threshold",
+    "is_registered",
+    "is_shared",
+    "register",
+    "reset_stats",
+    "set_threshold",
+    "share",
+    "stats",
+    "unregister",
+]
+
+if os.environ.get("TORCHSHM_DISABLE", "") not in ("1", "true", "yes"):
+    register()

@@ -1,0 +1,69 @@
+"""Every difference between torch 1.13-2.x and numpy 1.24-2.x, in one place.
+
+Nothing else in torchshm touches a private torch attribute or branches on a
+version.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import torch
+
+
+def _major_minor(version):
+    """(major, minor) of a version string such as '1.13.0a0' or '2.5.1+cpu'."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+TORCH_VERSION = _major_minor(torch.__version__)
+NUMPY_VERSION = _major_minor(np.__version__)
+
+
+def _build_info():
+    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _mismatch_message(built, cause=""):
+    return (
+        f"torchshm's native extension was built for torch {built.get('torch', '?')}"
+        f" and numpy {built.get('numpy', '?')}, but this process has torch"
+        f" {torch.__version__} and numpy {np.__version__}{cause}. Rebuild it in"
+        " this environment: pip install --no-build-isolation --force-reinstall"
+        " torchshm (or, in a checkout, pip install --no-build-isolation -e .)"
+    )
+
+
+def load_native():
+    """Imports torchshm._C, or raises an ImportError naming both versions."""
+    built = _build_info()
+    try:
+        from torchshm import _C
+    except ImportError as exc:
+        raise ImportError(_mismatch_message(built, f" ({exc})")) from exc
+    built = {"torch": _C.built_with_torch, "numpy": _C.built_with_numpy}
+    if _major_minor(built["torch"]) != TORCH_VERSION or (
+        # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
+        _major_minor(built["numpy"])[0] < 2 <= NUMPY_VERSION[0]
+    ):
+        raise ImportError(_mismatch_message(built))
+    return _C
+
+
+def untyped_storage(tensor):
+    """The tensor's byte storage (torch 2.0 added Tensor.untyped_storage)."""
+    if hasattr(tensor, "untyped_storage"):
+        return tensor.untyped_storage()
+    return tensor.storage()._storage
+
+
+def int8_tensor_over(storage):
+    """A flat int8 tensor viewing all of an untyped storage."""
+    return torch.empty(0, dtype=torch.int8).set_(storage)

@@ -1,0 +1,51 @@
+"""User-tunable policy: the size below which arrays are pickled inline.
+
+Note [Default threshold]
+Sharing costs a fixed ~0.1 ms per segment (create, map, unlink, page faults);
+pickling costs ~0.5 ms per MiB through a pipe. benchmarks/bench_core.py
+measures the per-item crossover; on the 2-core reference machine it sits
+between 64 and 128 KiB, so 128 KiB keeps torchshm never slower than pickling.
+"""
+
+import os
+import re
+
+DEFAULT_THRESHOLD = 128 * 1024
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text):
+    """Bytes from '131072', '128K', '1M' or '2G' (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(
+            f"expected a size in bytes such as 131072, 128K or 1M, got {text!r}"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def _threshold_from_env():
+    text = os.environ.get("TORCHSHM_THRESHOLD")
+    return DEFAULT_THRESHOLD if text is None else parse_size(text)
+
+
+_threshold = _threshold_from_env()
+
+
+def get_threshold():
+    """Arrays with fewer bytes than this are pickled inline, not shared."""
+    return _threshold
+
+
+def set_threshold(nbytes):
+    """Sets the inline/shared crossover in bytes (an int or '128K'-style text)."""
+    global _threshold
+    value = nbytes if isinstance(nbytes, int) else parse_size(nbytes)
+    if isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative number of bytes, got {nbytes!r}")
+    _threshold = value
+
+
+def copy_threads():
+    """Threads that split one large copy into shared memory."""
+    return max(1, min(4, os.cpu_count() or 1))

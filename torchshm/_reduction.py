@@ -1,0 +1,235 @@
+"""Reducers that send ndarrays through shared memory, and their rebuilds.
+
+The rebuild functions' module and names are the wire format: old pickles name
+them, so never rename or move them.
+
+Note [One message, one snapshot]
+multiprocessing pickles each message with a fresh ForkingPickler, whose memo
+holds every object it pickled until the message is done. A reducer sees only
+the array, so the per-message state (which buffers were already copied, which
+segments already named) lives in a _Message that only the _SegmentRef objects
+in that memo keep alive; the thread remembers it weakly. So within a message,
+views of one buffer share one copy and one segment (aliasing survives), and
+the next message starts afresh (a later send snapshots the array again).
+"""
+
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from torchshm import _config, _segments, _stats
+from torchshm._compat import int8_tensor_over, load_native, untyped_storage
+
+_C = load_native()
+
+# Subclasses torchshm rebuilds itself; every other subclass pickles as it would.
+SUBCLASSES = (np.memmap, np.recarray)
+# A view spanning more than this many times its bytes is compacted, not copied
+# with its gaps (a[::100] of a large array copies 1% of it, not all of it).
+SPARSE_RATIO = 2
+
+
+def reduce_ndarray(array):
+    """ForkingPickler reducer. Never raises: any failure pickles by value."""
+    try:
+        reduced = _reduce_through_shared_memory(array)
+    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+        _stats.fallback(type(exc).__name__)
+        _warn_once(
+            f"torchshm: could not share an array ({exc}); pickling it by value",
+            type(exc).__name__,
+        )
+        reduced = None
+    return array.__reduce__() if reduced is None else reduced
+
+
+def rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
+    """Rebuilds an array over `owner`, the int8 tensor of its segment."""
+    array = _C.wrap_ndarray(owner, offset, dtype, shape, strides, writeable)
+    _stats.add("arrays_received")
+    return array if subtype is np.ndarray else array.view(subtype)
+
+
+def rebuild_ndarray_from_storage(storage, *view):
+    """Rebuilds an array over a torch storage that torch itself shared."""
+    return rebuild_ndarray(int8_tensor_over(storage), *view)
+
+
+def attach_segment(name):
+    """Unpickles a _SegmentRef: maps the segment, once per message."""
+    return _segments.attach(name)
+
+
+def is_shared(array):
+    """Whether the array's memory is torch shared memory (sent without a copy)."""
+    owner = _root_of(array)[0] if isinstance(array, np.ndarray) else None
+    return isinstance(owner, torch.Tensor) and (
+        _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()
+    )
+
+
+class _Message:
+    __slots__ = ("copies", "refs", "__weakref__")
+
+    def __init__(self):
+        # id(buffer root) -> (root, [(lo, hi, weak ref)]): the root is held so
+        # that its id cannot be reused by another object within this message.
+        # Refs are held weakly: a cycle would keep the message alive past its
+        # pickler, and a later message would reuse a stale snapshot.
+        self.copies = {}
+        self.refs = weakref.WeakValueDictionary()  # segment name -> _SegmentRef
+
+
+class _SegmentRef:
+    """A segment named by one message; unpickling it hands over one reference."""
+
+    __slots__ = ("owner", "name", "message", "__weakref__")
+
+    def __init__(self, owner, name, message):
+        self.owner, self.name, self.message = owner, name, message
+
+    def __reduce__(self):
+        return attach_segment, (self.name,)
+
+
+_thread = threading.local()
+
+
+def _current_message():
+    message = getattr(_thread, "message", lambda: None)()
+    if message is None:
+        message = _Message()
+        _thread.message = weakref.ref(message)
+    return message
+
+
+def _ref_for(message, owner, name=None):
+    """The message's reference to a segment, taking an in-flight reference
+    the first time; None if the segment already died."""
+    name = name or _segments.name_of(owner)
+    ref = message.refs.get(name)
+    if ref is None:
+        if not _segments.acquire(owner):
+            return None
+        ref = message.refs[name] = _SegmentRef(owner, name, message)
+    return ref
+
+
+def _reduce_through_shared_memory(array):
+    if array.dtype.hasobject:
+        _stats.fallback("object dtype")
+        return None
+    if array.nbytes < _config.get_threshold():
+        _stats.add("arrays_inline")
+        return None
+    return _reduce_shared_view(array) or _reduce_copy(array)
+
+
+def _view_args(array, offset, strides=None):
+    return (
+        offset,
+        array.dtype,
+        array.shape,
+        array.strides if strides is None else strides,
+        array.flags.writeable,
+        type(array),
+    )
+
+
+def _reduce_shared_view(array):
+    """An array over memory that is already shared: send it without a copy."""
+    owner = _root_of(array)[0]
+    if not isinstance(owner, torch.Tensor):
+        return None
+    offset = _C.data_address(array) - owner.data_ptr()
+    if _segments.name_of(owner) is not None:
+        ref = _ref_for(_current_message(), owner)
+        if ref is None:  # a forked child's inherited segment was already freed
+            return None
+        _stats.add("arrays_resent")
+        return rebuild_ndarray, (ref,) + _view_args(array, offset)
+    storage = untyped_storage(owner)
+    if storage.is_shared():
+        # torch's own storage reducer carries it (under its sharing strategy).
+        _stats.add("arrays_resent")
+        offset = _C.data_address(array) - storage.data_ptr()
+        return rebuild_ndarray_from_storage, (storage,) + _view_args(array, offset)
+    return None
+
+
+def _reduce_copy(array):
+    """Snapshots the bytes the view spans into a segment (see the Note)."""
+    lo, hi = _C.byte_extent(array)
+    if hi - lo > SPARSE_RATIO * array.nbytes:
+        return _reduce_compacted(array)
+    message = _current_message()
+    root, nearest = _root_of(array)
+    key = id(root if root is not None else nearest)
+    root_entry = message.copies.setdefault(key, (root, []))
+    start = _C.data_address(array)
+    for copy_lo, copy_hi, weak_ref in root_entry[1]:
+        ref = weak_ref()
+        if ref is not None and copy_lo <= start + lo and start + hi <= copy_hi:
+            _stats.add("arrays_resent")
+            return rebuild_ndarray, (ref,) + _view_args(array, start - copy_lo)
+
+    # Copy the whole buffer when this view covers most of it, so that other
+    # views of it in this message share the copy; else only this view's span.
+    source = array
+    near_lo, near_hi = _C.byte_extent(nearest)
+    near_start = _C.data_address(nearest)
+    if (
+        near_start + near_lo <= start + lo
+        and start + hi <= near_start + near_hi
+        and 2 * (hi - lo) >= near_hi - near_lo
+    ):
+        source, lo, hi, start = nearest, near_lo, near_hi, near_start
+    owner = _segments.allocate(hi - lo)
+    _C.copy_extent(source, owner, 0, _config.copy_threads())
+    _stats.add("arrays_shared")
+    _stats.add("bytes_copied", hi - lo)
+    ref = _ref_for(message, owner)
+    root_entry[1].append((start + lo, start + hi, weakref.ref(ref)))
+    offset = _C.data_address(array) - (start + lo)
+    return rebuild_ndarray, (ref,) + _view_args(array, offset)
+
+
+def _reduce_compacted(array):
+    strides = _compact_strides(array)
+    owner = _segments.allocate(array.nbytes)
+    target = _C.wrap_ndarray(owner, 0, array.dtype, array.shape, strides, True)
+    np.copyto(target, array, casting="no")
+    _stats.add("arrays_shared")
+    _stats.add("bytes_copied", array.nbytes)
+    ref = _ref_for(_current_message(), owner)
+    return rebuild_ndarray, (ref,) + _view_args(array, 0, strides)
+
+
+def _compact_strides(array):
+    """Dense strides that keep the array's axis order (C, F or other)."""
+    order = sorted(range(array.ndim), key=lambda d: abs(array.strides[d]))
+    strides, step = [0] * array.ndim, array.itemsize
+    for axis in order:
+        strides[axis] = step
+        step *= array.shape[axis]
+    return tuple(strides)
+
+
+def _root_of(array):
+    """(the object owning the array's memory, the ndarray nearest to it)."""
+    nearest, base = array, array.base
+    while isinstance(base, np.ndarray):
+        nearest, base = base, base.base
+    return base, nearest
+
+
+_warned = set()
+
+
+def _warn_once(message, key):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

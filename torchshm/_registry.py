@@ -1,0 +1,59 @@
+"""Registration with multiprocessing's ForkingPickler (never copyreg, so that
+pickle.dumps to a file stays by value)."""
+
+import contextlib
+import threading
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+
+from torchshm import _reduction, _session
+
+TYPES = (np.ndarray,) + _reduction.SUBCLASSES
+_lock = threading.Lock()
+_previous = None  # the reducers we replaced, restored by unregister()
+
+
+def register():
+    """Sends eligible ndarrays through shared memory from now on (idempotent)."""
+    global _previous
+    _session.join()
+    with _lock:
+        if _previous is not None:
+            return
+        # ForkingPickler has no public way to read or remove a reducer.
+        table = ForkingPickler._extra_reducers
+        _previous = {t: table.get(t) for t in TYPES}
+        for t in TYPES:
+            ForkingPickler.register(t, _reduction.reduce_ndarray)
+
+
+def unregister():
+    """Restores plain pickling (or whatever reducer was registered before)."""
+    global _previous
+    with _lock:
+        if _previous is None:
+            return
+        table = ForkingPickler._extra_reducers
+        for t, reducer in _previous.items():
+            if reducer is None:
+                table.pop(t, None)
+            else:
+                table[t] = reducer
+        _previous = None
+
+
+def is_registered():
+    return ForkingPickler._extra_reducers.get(np.ndarray) is _reduction.reduce_ndarray
+
+
+@contextlib.contextmanager
+def disabled():
+    """Pickles arrays by value inside the block (process-wide, not per thread)."""
+    was = is_registered()
+    unregister()
+    try:
+        yield
+    finally:
+        if was:
+            register()

@@ -1,0 +1,42 @@
+"""Counters a user can read with torchshm.stats()."""
+
+import collections
+import threading
+
+_lock = threading.Lock()
+_counts = collections.Counter()
+_fallbacks = collections.Counter()
+
+COUNTERS = (
+    "arrays_shared",  # copied into a fresh segment
+    "bytes_copied",
+    "arrays_resent",  # already in shared memory: sent without a copy
+    "arrays_inline",  # below the threshold: pickled by value
+    "arrays_received",
+    "segments_created",
+    "segments_attached",
+)
+
+
+def add(name, n=1):
+    with _lock:
+        _counts[name] += n
+
+
+def fallback(reason):
+    with _lock:
+        _fallbacks[reason] += 1
+
+
+def stats():
+    """A snapshot of this process's counters, with fallbacks by reason."""
+    with _lock:
+        result = {name: _counts[name] for name in COUNTERS}
+        result["fallbacks"] = dict(_fallbacks)
+    return result
+
+
+def reset_stats():
+    with _lock:
+        _counts.clear()
+        _fallbacks.clear()
