@@ -53,6 +53,9 @@ PYBIND11_MODULE(_C, m) {
       "release", [](const at::Tensor& t) { checked_segment(t).release(); },
       py::arg("tensor"));
   m.def(
+      "disown", [](const at::Tensor& t) { checked_segment(t).disown(); },
+      py::arg("tensor"));
+  m.def(
       "refcount",
       [](const at::Tensor& t) { return checked_segment(t).refcount(); },
       py::arg("tensor"));

@@ -107,8 +107,13 @@ std::shared_ptr<Segment> Segment::attach(const std::string& name) {
 }
 
 Segment::~Segment() {
-  if (::getpid() == owner_pid_) release();
+  disown();
   ::munmap(base_, mapped_bytes_);
+}
+
+void Segment::disown() {
+  pid_t self = ::getpid();
+  if (owner_pid_.compare_exchange_strong(self, 0)) release();
 }
 
 bool Segment::try_acquire() {

@@ -44,6 +44,9 @@ class Segment {
   bool try_acquire();
   // Drops one reference; unlinks the name when it was the last.
   void release();
+  // Drops this process's own reference now, once (at exit: multiprocessing
+  // children end with os._exit, so destructors never run). The mapping stays.
+  void disown();
 
   uint8_t* data() const;
   int64_t capacity() const { return capacity_; }
@@ -58,7 +61,7 @@ class Segment {
   void* base_;
   size_t mapped_bytes_;
   int64_t capacity_;
-  pid_t owner_pid_;
+  std::atomic<pid_t> owner_pid_;  // 0 once disowned
 };
 
 // An int8 tensor over the whole data area; its storage keeps the mapping alive.

@@ -58,6 +58,11 @@ def rebuild_ndarray_from_storage(storage, *view):
     return rebuild_ndarray(int8_tensor_over(storage), *view)
 
 
+def rebuild_empty(*view):
+    """Rebuilds a zero-size array (numpy's own pickle drops its byte order)."""
+    return rebuild_ndarray(torch.empty(0, dtype=torch.int8), *view)
+
+
 def attach_segment(name):
     """Unpickles a _SegmentRef: maps the segment, once per message."""
     return _segments.attach(name)
@@ -122,6 +127,9 @@ def _reduce_through_shared_memory(array):
     if array.dtype.hasobject:
         _stats.fallback("object dtype")
         return None
+    if array.size == 0:
+        _stats.add("arrays_inline")
+        return rebuild_empty, _view_args(array, 0)
     if array.nbytes < _config.get_threshold():
         _stats.add("arrays_inline")
         return None
@@ -200,8 +208,10 @@ def _reduce_copy(array):
 def _reduce_compacted(array):
     strides = _compact_strides(array)
     owner = _segments.allocate(array.nbytes)
-    target = _C.wrap_ndarray(owner, 0, array.dtype, array.shape, strides, True)
-    np.copyto(target, array, casting="no")
+    # Raw elements through a void view: padding bytes too, no per-field copy.
+    raw = np.dtype((np.void, array.itemsize))
+    target = _C.wrap_ndarray(owner, 0, raw, array.shape, strides, True)
+    np.copyto(target, array.view(raw), casting="no")
     _stats.add("arrays_shared")
     _stats.add("bytes_copied", array.nbytes)
     ref = _ref_for(_current_message(), owner)

@@ -9,6 +9,7 @@ import itertools
 import os
 import threading
 import weakref
+from multiprocessing import util
 
 from torchshm import _session, _stats
 from torchshm._compat import load_native
@@ -65,10 +66,37 @@ def _remember(name, owner):
     _mapped[name] = weakref.ref(owner)
 
 
-def _forget_after_fork():
+def disown_all():
+    """Drops this process's references now; its mappings stay valid.
+
+    multiprocessing children end with os._exit, so no destructor would ever
+    release them and their segments would live until the session ends.
+    """
+    with _lock:
+        owners = [ref() for ref in _mapped.values()]
+    for owner in owners:
+        if owner is not None:
+            _C.disown(owner)
+
+
+def _at_exit():
+    # Below Queue's feeder-join finalizer (priority -5): pending messages are
+    # pickled (and may take references) before ours are dropped.
+    util.Finalize(None, disown_all, exitpriority=-100)
+
+
+def _after_fork_in_child():
     # The lock may have been held by another thread at fork time.
     global _lock
     _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+class _Token:
+    """multiprocessing.util.register_after_fork needs a weak-referenceable object."""
+
+
+_token = _Token()
+os.register_at_fork(after_in_child=_after_fork_in_child)
+# A child's bootstrap clears inherited finalizers, then runs after-fork hooks.
+util.register_after_fork(_token, lambda _: _at_exit())
+_at_exit()

@@ -1,0 +1,58 @@
+# On a fresh Debian 12 machine as root, `make test` and `make bench` install
+# what they need from Debian, create .venv and build torchshm into it.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+BUILT := $(VENV)/.torchshm-built
+DEBS := python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11 \
+	python3-venv python3-pip python3-setuptools python3-wheel g++ ninja-build \
+	python3-pandas python3-xarray python3-pytest python3-pytest-timeout \
+	python3-hypothesis python3-psutil python3-tqdm python3-matplotlib \
+	python3-nbclient python3-nbformat python3-ipykernel python3-portalocker
+LINT_DEBS := black flake8 clang-format
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
+
+.PHONY: deps build test bench lint format clean
+
+# Installs only the Debian packages that are missing.
+define apt_install
+	@missing=$$(for p in $(1); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; \
+	done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+endef
+
+deps:
+	$(call apt_install,$(DEBS))
+
+$(PY): | deps
+	/usr/bin/python3 -m venv --system-site-packages $(VENV)
+
+$(BUILT): $(SOURCES) | $(PY)
+	MAX_JOBS=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps --no-index -e .
+	touch $@
+
+build: deps $(BUILT)
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+lint: deps
+	$(call apt_install,$(LINT_DEBS))
+	black --check --quiet torchshm tests benchmarks setup.py
+	flake8 torchshm tests benchmarks setup.py
+	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
+
+format:
+	black -q torchshm tests benchmarks setup.py
+	clang-format -i csrc/*.cpp csrc/*.h
+
+clean:
+	rm -rf $(VENV) build *.egg-info torchshm/_C*.so torchshm/_build_info.json

@@ -1,0 +1,45 @@
+"""Child-process targets, at module top level so spawn and forkserver can import them."""
+
+import numpy as np
+
+import torchshm
+
+
+def echo(inbox, outbox):
+    """Sends back whatever arrives, until None."""
+    for obj in iter(inbox.get, None):
+        outbox.put(obj)
+
+
+def fill_received(inbox, outbox):
+    """Writes `value` into every array received, reports, and waits to be told
+    to exit (so the parent checks the writes while the child still maps them)."""
+    arrays, value = inbox.get()
+    for a in arrays:
+        a[...] = value
+    outbox.put([torchshm.is_shared(a) for a in arrays])
+    inbox.get()
+
+
+def send_built(inbox, outbox, builder):
+    """Builds arrays here, sends them, and exits right away."""
+    from tests import cases
+
+    outbox.put(getattr(cases, builder)())
+
+
+def share_then_check(inbox, outbox):
+    """Shares an array, sends it, waits for the parent to write 7s into it."""
+    shared = torchshm.share(np.zeros((300, 400), dtype=np.float32)[:, ::-1])
+    outbox.put(shared)
+    inbox.get()
+    outbox.put(bool((shared == 7).all()))
+
+
+def alias_check(inbox, outbox):
+    """Writes through one received view and reads through the others."""
+    base, reversed_view, transposed = inbox.get()
+    base[0, 0] = -1
+    outbox.put(
+        [reversed_view[-1, -1] == -1, transposed[0, 0] == -1, torchshm.is_shared(base)]
+    )
