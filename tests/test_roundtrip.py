@@ -109,7 +109,19 @@ def test_resending_shared_memory_is_zero_copy_and_aliased():
     assert np.shares_memory(again[0], shared) and np.shares_memory(again[1], shared)
 
 
-def test_views_of_a_torch_shared_tensor_go_without_a_copy():
+@pytest.fixture
+def file_system_strategy():
+    import torch.multiprocessing as tmp
+
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    yield
+    tmp.set_sharing_strategy(previous)
+
+
+def test_views_of_a_torch_shared_tensor_go_without_a_copy(file_system_strategy):
+    # Only under file_system: under file_descriptor the receiver would depend
+    # on the sender staying alive (test_faults.py).
     import torch
 
     tensor = torch.arange(1_000_000, dtype=torch.float32).share_memory_()

@@ -19,6 +19,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
 from torchshm import _config, _segments, _stats
 from torchshm._compat import int8_tensor_over, load_native, untyped_storage
@@ -160,8 +161,13 @@ def _reduce_shared_view(array):
         _stats.add("arrays_resent")
         return rebuild_ndarray, (ref,) + _view_args(array, offset)
     storage = untyped_storage(owner)
-    if storage.is_shared():
-        # torch's own storage reducer carries it (under its sharing strategy).
+    # Under file_descriptor (torch's default) the receiver fetches an fd from
+    # the live sender, and keeps it open: a sender that exits before the
+    # receiver unpickles loses the message, and a consumer under a low
+    # `ulimit -n` runs out. Only file_system has neither flaw; otherwise the
+    # array is snapshotted like any other.
+    if storage.is_shared() and sharing_strategy() == "file_system":
+        # torch's own storage reducer carries it.
         _stats.add("arrays_resent")
         offset = _C.data_address(array) - storage.data_ptr()
         return rebuild_ndarray_from_storage, (storage,) + _view_args(array, offset)
