@@ -8,11 +8,13 @@
 
 namespace {
 
-torchshm::Segment& checked_segment(const at::Tensor& tensor) {
-  torchshm::Segment* segment = torchshm::segment_of(tensor);
-  TORCH_CHECK(segment != nullptr,
-              "expected a tensor over a torchshm segment");
-  return *segment;
+using torchshm::Segment;
+using torchshm::View;
+
+View& checked_view(const at::Tensor& tensor) {
+  View* view = torchshm::view_of(tensor);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  return *view;
 }
 
 }  // namespace
@@ -23,42 +25,45 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch") = TORCHSHM_TORCH_VERSION;
   m.attr("built_with_numpy") = TORCHSHM_NUMPY_VERSION;
 
+  py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
+      .def_static("create", &Segment::create, py::arg("name"),
+                  py::arg("capacity"),
+                  py::call_guard<py::gil_scoped_release>())
+      .def_static("attach", &Segment::attach, py::arg("name"),
+                  py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("name", &Segment::name)
+      .def_property_readonly("capacity", &Segment::capacity)
+      .def_property_readonly("refcount", &Segment::refcount)
+      .def_property_readonly("local_views", &Segment::local_views)
+      .def("try_acquire", &Segment::try_acquire)
+      .def("release", &Segment::release)
+      .def(
+          "tensor",
+          [](std::shared_ptr<Segment> self, bool owns_reference) {
+            return torchshm::view_tensor(std::move(self), owns_reference);
+          },
+          py::arg("owns_reference"));
+
   m.def(
-      "create_segment",
-      [](const std::string& name, int64_t nbytes) {
-        return torchshm::segment_tensor(
-            torchshm::Segment::create(name, nbytes));
+      "segment_of",
+      [](const at::Tensor& t) -> std::shared_ptr<Segment> {
+        View* view = torchshm::view_of(t);
+        return view ? view->segment : nullptr;
       },
-      py::arg("name"), py::arg("nbytes"),
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "attach_segment",
-      [](const std::string& name) {
-        return torchshm::segment_tensor(torchshm::Segment::attach(name));
-      },
-      py::arg("name"), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "segment_name",
-      [](const at::Tensor& t) -> py::object {
-        torchshm::Segment* segment = torchshm::segment_of(t);
-        if (segment == nullptr) return py::none();
-        return py::str(segment->name());
-      },
       py::arg("tensor"));
   m.def(
-      "try_acquire",
-      [](const at::Tensor& t) { return checked_segment(t).try_acquire(); },
+      "owns_reference",
+      [](const at::Tensor& t) { return checked_view(t).ref_pid.load() != 0; },
       py::arg("tensor"));
   m.def(
-      "release", [](const at::Tensor& t) { checked_segment(t).release(); },
+      "disown", [](const at::Tensor& t) { checked_view(t).disown(); },
       py::arg("tensor"));
   m.def(
-      "disown", [](const at::Tensor& t) { checked_segment(t).disown(); },
-      py::arg("tensor"));
-  m.def(
-      "refcount",
-      [](const at::Tensor& t) { return checked_segment(t).refcount(); },
-      py::arg("tensor"));
+      "claim_reference",
+      [](const at::Tensor& t) { checked_view(t).ref_pid.store(::getpid()); },
+      py::arg("tensor"),
+      "Marks a view as owning a reference taken for this process (a forked "
+      "child's inherited view).");
   m.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
   m.def("data_address", &torchshm::data_address, py::arg("array"));
   m.def("copy_extent", &torchshm::copy_extent, py::arg("array"),

@@ -35,9 +35,7 @@ struct FdCloser {
   }
 };
 
-void delete_segment_ref(void* ctx) {
-  delete static_cast<std::shared_ptr<Segment>*>(ctx);
-}
+void delete_view(void* ctx) { delete static_cast<View*>(ctx); }
 
 }  // namespace
 
@@ -46,8 +44,7 @@ Segment::Segment(std::string name, void* base, size_t mapped_bytes,
     : name_(std::move(name)),
       base_(base),
       mapped_bytes_(mapped_bytes),
-      capacity_(capacity),
-      owner_pid_(::getpid()) {}
+      capacity_(capacity) {}
 
 std::shared_ptr<Segment> Segment::create(const std::string& name,
                                          int64_t capacity) {
@@ -106,15 +103,7 @@ std::shared_ptr<Segment> Segment::attach(const std::string& name) {
       new Segment(name, base, total, header->capacity));
 }
 
-Segment::~Segment() {
-  disown();
-  ::munmap(base_, mapped_bytes_);
-}
-
-void Segment::disown() {
-  pid_t self = ::getpid();
-  if (owner_pid_.compare_exchange_strong(self, 0)) release();
-}
+Segment::~Segment() { ::munmap(base_, mapped_bytes_); }
 
 bool Segment::try_acquire() {
   auto& count = header_of(base_)->refcount;
@@ -139,23 +128,35 @@ int64_t Segment::refcount() const {
   return header_of(base_)->refcount.load();
 }
 
-at::Tensor segment_tensor(std::shared_ptr<Segment> segment) {
+View::View(std::shared_ptr<Segment> seg, bool owns_reference)
+    : segment(std::move(seg)), ref_pid(owns_reference ? ::getpid() : 0) {
+  segment->views_.fetch_add(1);
+}
+
+View::~View() {
+  disown();
+  segment->views_.fetch_sub(1);
+}
+
+void View::disown() {
+  pid_t self = ::getpid();
+  if (ref_pid.compare_exchange_strong(self, 0)) segment->release();
+}
+
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, bool owns_reference) {
   const int64_t n = segment->capacity();
   void* data = segment->data();
-  auto* ctx = new std::shared_ptr<Segment>(std::move(segment));
-  at::DataPtr ptr(data, ctx, &delete_segment_ref, at::Device(at::kCPU));
+  auto* view = new View(std::move(segment), owns_reference);
+  at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
   at::Storage storage(at::Storage::use_byte_size_t(), n, std::move(ptr),
                       /*allocator=*/nullptr, /*resizable=*/false);
   return at::empty({0}, at::TensorOptions().dtype(at::kChar))
       .set_(storage, 0, {n}, {1});
 }
 
-Segment* segment_of(const at::Tensor& tensor) {
+View* view_of(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return nullptr;
-  const at::DataPtr& ptr = tensor.storage().data_ptr();
-  auto* ref =
-      ptr.cast_context<std::shared_ptr<Segment>>(&delete_segment_ref);
-  return ref ? ref->get() : nullptr;
+  return tensor.storage().data_ptr().cast_context<View>(&delete_view);
 }
 
 }  // namespace torchshm

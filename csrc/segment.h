@@ -1,19 +1,22 @@
 // A named POSIX shared-memory segment with a cross-process reference count in
-// its first 64 bytes, exposed to Python as an int8 torch tensor.
+// its first 64 bytes, and the int8 torch tensors ("views") that expose it.
 //
 // Note [Segment lifetime]
-// The count holds one reference per process mapping plus one per message in
-// flight. The creator starts at 1; a sender takes one more for every message
-// that names the segment (try_acquire); a receiver's attach inherits that
-// in-flight reference; dropping a mapping releases its reference; whoever
-// takes the count to 0 unlinks the name. Mappings survive unlinking, so no
-// reader is ever cut off. The file descriptor is closed right after mmap: a
-// live array costs a mapping, never an fd. A forked child inherits mappings but
-// not references: only the process that took a reference releases it
-// (owner_pid), and a child that re-sends an inherited segment must win
-// try_acquire, which never revives a count that reached 0. References lost to
-// SIGKILL or to messages never received are swept by the session reaper
-// (torchshm/_reaper.py) once every process of the session is gone.
+// The header counts references: one held by whoever created the segment (a
+// sender's pool, or the first view), one per message in flight, one per
+// receiving view. A sender takes an in-flight reference for every message that
+// names the segment (try_acquire); the receiver's view adopts it; dropping a
+// view releases its reference; whoever takes the count to 0 unlinks the name.
+// A mapping (Segment) is separate from references (views): a receiver may keep
+// an idle mapping cached so that a segment reused by the sender's pool is not
+// faulted in again, without keeping the segment alive. A pool may overwrite a
+// segment only when its count is 1 (its own) and it has no local views.
+// The fd is closed right after mmap: a live array costs a mapping, never an fd.
+// A forked child gets a reference for each view it inherits, taken in the
+// parent before fork (torchshm/_segments.py), so a pool never reuses memory a
+// child still reads. References lost to SIGKILL or to messages never received
+// are swept by the session reaper (torchshm/_reaper.py) once every process of
+// the session is gone.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,16 +30,15 @@ namespace torchshm {
 
 class Segment {
  public:
-  // Creates and maps a new segment with `capacity` data bytes. Space is
-  // reserved up front so that a full tmpfs fails here with ENOSPC instead of
-  // SIGBUS on first write.
+  // Creates and maps a new segment with `capacity` data bytes; its count
+  // starts at 1, a reference the caller owns. Space is reserved up front so
+  // that a full tmpfs fails here with ENOSPC instead of SIGBUS on first write.
   static std::shared_ptr<Segment> create(const std::string& name,
                                          int64_t capacity);
-  // Maps an existing segment; the caller must own one reference (normally the
-  // in-flight reference of the message that named it).
+  // Maps an existing segment without taking a reference.
   static std::shared_ptr<Segment> attach(const std::string& name);
 
-  ~Segment();
+  ~Segment();  // unmaps; references are the views' business
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
 
@@ -44,16 +46,15 @@ class Segment {
   bool try_acquire();
   // Drops one reference; unlinks the name when it was the last.
   void release();
-  // Drops this process's own reference now, once (at exit: multiprocessing
-  // children end with os._exit, so destructors never run). The mapping stays.
-  void disown();
 
   uint8_t* data() const;
   int64_t capacity() const { return capacity_; }
   int64_t refcount() const;
+  int64_t local_views() const { return views_.load(); }
   const std::string& name() const { return name_; }
 
  private:
+  friend struct View;
   Segment(std::string name, void* base, size_t mapped_bytes,
           int64_t capacity);
 
@@ -61,12 +62,25 @@ class Segment {
   void* base_;
   size_t mapped_bytes_;
   int64_t capacity_;
-  std::atomic<pid_t> owner_pid_;  // 0 once disowned
+  std::atomic<int64_t> views_{0};
 };
 
-// An int8 tensor over the whole data area; its storage keeps the mapping alive.
-at::Tensor segment_tensor(std::shared_ptr<Segment> segment);
-// The segment behind a tensor's storage, or nullptr if it is not one of ours.
-Segment* segment_of(const at::Tensor& tensor);
+// One live view of a segment: the context of a tensor's storage. It keeps the
+// mapping alive and may own one header reference, for the process ref_pid.
+struct View {
+  View(std::shared_ptr<Segment> segment, bool owns_reference);
+  ~View();
+  // Releases the reference now if this process owns it (at exit: children of
+  // multiprocessing end with os._exit, so destructors never run).
+  void disown();
+
+  std::shared_ptr<Segment> segment;
+  std::atomic<pid_t> ref_pid;  // 0: no reference
+};
+
+// An int8 tensor over the whole data area.
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, bool owns_reference);
+// The view behind a tensor's storage, or nullptr if it is not one of ours.
+View* view_of(const at::Tensor& tensor);
 
 }  // namespace torchshm

@@ -16,6 +16,11 @@ from torchshm._compat import load_native
 _C = load_native()
 
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
+from torchshm._dataloader import (  # noqa: E402
+    collate,
+    convert,
+    worker_init_fn,
+)
 from torchshm._reduction import is_shared  # noqa: E402
 from torchshm._registry import (  # noqa: E402
     disabled,
@@ -24,20 +29,33 @@ from torchshm._registry import (  # noqa: E402
     unregister,
 )
 from torchshm._share import share  # noqa: E402
+from torchshm._segments import trim  # noqa: E402
 from torchshm._stats import reset_stats, stats  # noqa: E402
+from torchshm._torchdata import (  # noqa: E402
+    datapipe_worker_init_fn,
+    in_workers,
+    share_memory,
+)
 
 __version__ = "0.1.0"
 __all__ = [
+    "collate",
+    "convert",
+    "datapipe_worker_init_fn",
     "disabled",
     "get_threshold",
+    "in_workers",
     "is_registered",
     "is_shared",
     "register",
     "reset_stats",
     "set_threshold",
     "share",
+    "share_memory",
     "stats",
+    "trim",
     "unregister",
+    "worker_init_fn",
 ]
 
 if os.environ.get("TORCHSHM_DISABLE", "") not in ("1", "true", "yes"):

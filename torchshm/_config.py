@@ -49,3 +49,36 @@ def set_threshold(nbytes):
 def copy_threads():
     """Threads that split one large copy into shared memory."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+def _dev_shm_bytes():
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
+
+
+def _bytes_from_env(name, default):
+    text = os.environ.get(name)
+    return default if text is None else parse_size(text)
+
+
+def pool_bytes():
+    """Cap on the shared memory a sending process keeps pooled for reuse
+    (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at most 4 GiB; 0 turns
+    pooling off)."""
+    return _bytes_from_env("TORCHSHM_POOL_BYTES", min(_dev_shm_bytes() // 4, 4 << 30))
+
+
+def pool_idle_seconds():
+    """A pooled segment unused this long is released (TORCHSHM_POOL_IDLE_SECONDS)."""
+    return float(os.environ.get("TORCHSHM_POOL_IDLE_SECONDS", "30"))
+
+
+def mapping_cache_bytes():
+    """Cap on idle mappings a receiver keeps so that segments reused by a
+    sender's pool are not faulted in again (TORCHSHM_MAPPING_CACHE_BYTES)."""
+    return _bytes_from_env(
+        "TORCHSHM_MAPPING_CACHE_BYTES", min(_dev_shm_bytes() // 4, 4 << 30)
+    )

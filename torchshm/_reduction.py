@@ -31,6 +31,12 @@ SUBCLASSES = (np.memmap, np.recarray)
 # A view spanning more than this many times its bytes is compacted, not copied
 # with its gaps (a[::100] of a large array copies 1% of it, not all of it).
 SPARSE_RATIO = 2
+# Copies smaller than this are packed into the message's chunk: one segment
+# for many arrays, instead of one segment, mapping and refcount each. Chunks
+# grow 4x from CHUNK_START up to PACK_LIMIT (few segments for large messages).
+PACK_LIMIT = 16 << 20
+CHUNK_START = 1 << 20
+ALIGNMENT = 64
 
 
 def reduce_ndarray(array):
@@ -78,15 +84,29 @@ def is_shared(array):
 
 
 class _Message:
-    __slots__ = ("copies", "refs", "__weakref__")
+    __slots__ = ("copies", "refs", "chunk", "chunk_used", "__weakref__")
 
     def __init__(self):
-        # id(buffer root) -> (root, [(lo, hi, weak ref)]): the root is held so
+        self.chunk, self.chunk_used = None, 0
+        # id(buffer root) -> (root, [copies]): the root is held so
         # that its id cannot be reused by another object within this message.
         # Refs are held weakly: a cycle would keep the message alive past its
         # pickler, and a later message would reuse a stale snapshot.
         self.copies = {}
         self.refs = weakref.WeakValueDictionary()  # segment name -> _SegmentRef
+
+
+def _place(message, nbytes):
+    """(segment tensor, offset) where this message copies nbytes."""
+    if nbytes >= PACK_LIMIT:
+        return _segments.allocate(nbytes), 0
+    chunk = message.chunk
+    if chunk is None or message.chunk_used + nbytes > chunk.numel():
+        size = CHUNK_START if chunk is None else min(4 * chunk.numel(), PACK_LIMIT)
+        message.chunk, message.chunk_used = _segments.allocate(max(size, nbytes)), 0
+    offset = message.chunk_used
+    message.chunk_used = -(-(offset + nbytes) // ALIGNMENT) * ALIGNMENT
+    return message.chunk, offset
 
 
 class _SegmentRef:
@@ -184,11 +204,12 @@ def _reduce_copy(array):
     key = id(root if root is not None else nearest)
     root_entry = message.copies.setdefault(key, (root, []))
     start = _C.data_address(array)
-    for copy_lo, copy_hi, weak_ref in root_entry[1]:
+    # Entries: bytes [copy_lo, copy_hi) of the buffer were copied to `at`.
+    for copy_lo, copy_hi, at, weak_ref in root_entry[1]:
         ref = weak_ref()
         if ref is not None and copy_lo <= start + lo and start + hi <= copy_hi:
             _stats.add("arrays_resent")
-            return rebuild_ndarray, (ref,) + _view_args(array, start - copy_lo)
+            return rebuild_ndarray, (ref,) + _view_args(array, at + start - copy_lo)
 
     # Copy the whole buffer when this view covers most of it, so that other
     # views of it in this message share the copy; else only this view's span.
@@ -201,27 +222,28 @@ def _reduce_copy(array):
         and 2 * (hi - lo) >= near_hi - near_lo
     ):
         source, lo, hi, start = nearest, near_lo, near_hi, near_start
-    owner = _segments.allocate(hi - lo)
-    _C.copy_extent(source, owner, 0, _config.copy_threads())
+    owner, at = _place(message, hi - lo)
+    _C.copy_extent(source, owner, at, _config.copy_threads())
     _stats.add("arrays_shared")
     _stats.add("bytes_copied", hi - lo)
     ref = _ref_for(message, owner)
-    root_entry[1].append((start + lo, start + hi, weakref.ref(ref)))
-    offset = _C.data_address(array) - (start + lo)
+    root_entry[1].append((start + lo, start + hi, at, weakref.ref(ref)))
+    offset = at + _C.data_address(array) - (start + lo)
     return rebuild_ndarray, (ref,) + _view_args(array, offset)
 
 
 def _reduce_compacted(array):
     strides = _compact_strides(array)
-    owner = _segments.allocate(array.nbytes)
+    message = _current_message()
+    owner, at = _place(message, array.nbytes)
     # Raw elements through a void view: padding bytes too, no per-field copy.
     raw = np.dtype((np.void, array.itemsize))
-    target = _C.wrap_ndarray(owner, 0, raw, array.shape, strides, True)
+    target = _C.wrap_ndarray(owner, at, raw, array.shape, strides, True)
     np.copyto(target, array.view(raw), casting="no")
     _stats.add("arrays_shared")
     _stats.add("bytes_copied", array.nbytes)
-    ref = _ref_for(_current_message(), owner)
-    return rebuild_ndarray, (ref,) + _view_args(array, 0, strides)
+    ref = _ref_for(message, owner)
+    return rebuild_ndarray, (ref,) + _view_args(array, at, strides)
 
 
 def _compact_strides(array):

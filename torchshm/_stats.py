@@ -15,6 +15,8 @@ COUNTERS = (
     "arrays_received",
     "segments_created",
     "segments_attached",
+    "segments_reused",  # a pooled segment reused by a sender (no fresh pages)
+    "mappings_reused",  # a receiver reused a cached mapping (no page faults)
 )
 
 
