@@ -43,3 +43,20 @@ def alias_check(inbox, outbox):
     outbox.put(
         [reversed_view[-1, -1] == -1, transposed[0, 0] == -1, torchshm.is_shared(base)]
     )
+
+
+def send_fresh_each_round(inbox, outbox, rounds, n):
+    """Sends a fresh n-element array each round after the parent acks the last;
+    finally reports its stats."""
+    a = np.zeros(n)
+    for i in range(rounds):
+        a[:] = i
+        outbox.put(a)
+        inbox.get()
+    outbox.put(torchshm.stats())
+
+
+def hold_inherited(inbox, outbox, inherited):
+    """A fork child keeps an inherited array while the parent reuses its pool."""
+    inbox.get()  # the parent has dropped its copy and churned its pool
+    outbox.put(bool((inherited == 3).all()))

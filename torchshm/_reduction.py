@@ -31,11 +31,13 @@ SUBCLASSES = (np.memmap, np.recarray)
 # A view spanning more than this many times its bytes is compacted, not copied
 # with its gaps (a[::100] of a large array copies 1% of it, not all of it).
 SPARSE_RATIO = 2
-# Copies smaller than this are packed into the message's chunk: one segment
-# for many arrays, instead of one segment, mapping and refcount each. Chunks
-# grow 4x from CHUNK_START up to PACK_LIMIT (few segments for large messages).
+# Copies smaller than PACK_LIMIT are packed into the message's chunk: one
+# segment for many arrays, instead of a segment, mapping and refcount each.
+# Chunks grow 4x from CHUNK_START to CHUNK_MAX: a message needs few segments
+# (64 MB of small arrays: 4) and reserves at most 4x its last chunk's use.
 PACK_LIMIT = 16 << 20
 CHUNK_START = 1 << 20
+CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
 
 
@@ -102,7 +104,7 @@ def _place(message, nbytes):
         return _segments.allocate(nbytes), 0
     chunk = message.chunk
     if chunk is None or message.chunk_used + nbytes > chunk.numel():
-        size = CHUNK_START if chunk is None else min(4 * chunk.numel(), PACK_LIMIT)
+        size = CHUNK_START if chunk is None else min(4 * chunk.numel(), CHUNK_MAX)
         message.chunk, message.chunk_used = _segments.allocate(max(size, nbytes)), 0
     offset = message.chunk_used
     message.chunk_used = -(-(offset + nbytes) // ALIGNMENT) * ALIGNMENT

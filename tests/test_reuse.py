@@ -1,0 +1,116 @@
+"""The segment pool and mapping cache: reuse happens, and never at the cost of
+data someone still reads; memory stays bounded."""
+
+import gc
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import torchshm
+from tests import children
+from tests.conftest import session_segments
+from torchshm import _segments
+
+
+def roundtrip(obj):
+    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+
+
+def test_repeated_sends_reuse_one_segment_and_one_mapping(ctx, no_leaks, child):
+    rounds = 6
+    c = child(ctx, children.send_fresh_each_round, rounds, 300_000)
+    before = torchshm.stats()
+    for i in range(rounds):
+        received = c.receive()
+        assert (received == i).all() and torchshm.is_shared(received)
+        del received  # done with it: the sender may reuse the segment
+        c.send("ack")
+    sender = c.receive()
+    assert c.close() == 0
+    assert sender["segments_created"] == 1
+    assert sender["segments_reused"] == rounds - 1
+    assert torchshm.stats()["mappings_reused"] - before["mappings_reused"] == rounds - 1
+
+
+def test_a_segment_in_use_is_never_reused():
+    a = np.full(100_000, 1.0)
+    first = roundtrip(a)  # still alive: its segment is busy
+    a[:] = 2.0
+    second = roundtrip(a)
+    assert (first == 1.0).all() and (second == 2.0).all()
+    assert not np.shares_memory(first, second)
+
+
+def test_a_dropped_segment_is_reused():
+    a = np.ones(100_000)
+    roundtrip(a)
+    gc.collect()
+    before = torchshm.stats()["segments_reused"]
+    again = roundtrip(a)
+    assert torchshm.stats()["segments_reused"] == before + 1
+    assert (again == 1).all()
+
+
+def test_a_forked_child_keeps_reading_what_the_parent_released(no_leaks, child):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    shared = torchshm.share(np.full(200_000, 3.0))
+    c = child(ctx, children.hold_inherited, shared)
+    del shared
+    gc.collect()
+    for _ in range(5):  # the pool would reuse that segment if it were idle
+        roundtrip(np.full(200_000, -1.0))
+    c.send("check")
+    assert c.receive() is True
+    assert c.close() == 0
+
+
+def test_many_small_arrays_pack_into_few_segments():
+    arrays = [np.full(8192, i, dtype=np.float64) for i in range(1000)]  # 64 KiB
+    before = torchshm.stats()
+    received = roundtrip(arrays)
+    created = torchshm.stats()["segments_created"] - before["segments_created"]
+    reused = torchshm.stats()["segments_reused"] - before["segments_reused"]
+    assert created + reused <= 5
+    assert all((r == i).all() for i, r in enumerate(received))
+    assert all(torchshm.is_shared(r) for r in received)
+
+
+def test_pool_is_capped(monkeypatch):
+    monkeypatch.setenv("TORCHSHM_POOL_BYTES", "2M")
+    torchshm.trim()
+    held = [roundtrip(np.zeros(300_000)) for _ in range(10)]  # 2.4 MB each
+    assert _segments._pool_segments.nbytes <= 2 << 20
+    assert all((h == 0).all() for h in held)
+
+
+def test_idle_segments_are_released(monkeypatch):
+    torchshm.trim()
+    roundtrip(np.zeros(500_000))
+    gc.collect()
+    idle = set(_segments._pool_segments.segments)
+    assert idle
+    monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "0")
+    roundtrip(np.zeros(5_000_000))  # too big to reuse them; releases expired ones
+    assert not idle & set(_segments._pool_segments.segments)
+    assert not idle & {"/" + n for n in session_segments()}
+
+
+def test_trim_gives_idle_memory_back():
+    roundtrip(np.zeros(1_000_000))
+    gc.collect()
+    before = session_segments()
+    assert torchshm.trim() > 0
+    assert len(session_segments()) < len(before)
+
+
+@pytest.mark.parametrize("nbytes", [1, 64 << 10, 3 << 20, 40 << 20])
+def test_every_size_class_round_trips(nbytes):
+    a = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    for _ in range(3):  # fresh, then reused
+        received = roundtrip(a)
+        np.testing.assert_array_equal(received, a)
+        del received
+        gc.collect()
