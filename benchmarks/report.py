@@ -1,0 +1,237 @@
+"""Statistics, the results table, JSON and plots: the only place numbers are
+summarized or formatted, so every scenario reports the same way."""
+
+import json
+import os
+import platform
+import statistics
+
+from benchmarks.transports import LABELS
+
+BASELINE = "pipe"
+
+
+def summarize(samples, warmup=1):
+    """Median, min and max of the samples after the first `warmup` ones (the
+    first send pays one-time costs; it is kept as `first`)."""
+    steady = samples[warmup:] if len(samples) > warmup else samples
+    return {
+        "median": statistics.median(steady),
+        "min": min(steady),
+        "max": max(steady),
+        "n": len(steady),
+        "first": samples[0],
+        "samples": list(samples),
+    }
+
+
+class Result:
+    """One scenario's measurements: a value per (case, method), plus
+    per-case extra columns. `unit` is "s" or "B"; lower is better."""
+
+    def __init__(self, name, title, unit="s", notes=()):
+        self.name, self.title, self.unit = name, title, unit
+        self.notes = list(notes)
+        self.rows = []  # dicts: case, method, median, min, max, n, first, samples
+        self.extras = {}  # case -> {column: value}
+        self.summary = {}  # scenario-level conclusions, e.g. the crossover
+
+    def add(self, case, method, samples, warmup=1):
+        row = {"case": case, "method": method, **summarize(samples, warmup)}
+        self.rows.append(row)
+        return row
+
+    def get(self, case, method):
+        for row in self.rows:
+            if row["case"] == case and row["method"] == method:
+                return row
+        return None
+
+    def cases(self):
+        return list(dict.fromkeys(row["case"] for row in self.rows))
+
+    def methods(self):
+        return list(dict.fromkeys(row["method"] for row in self.rows))
+
+    def ratio(self, case, method, against=BASELINE):
+        row, base = self.get(case, method), self.get(case, against)
+        if row is None or base is None or not base["median"]:
+            return None
+        return row["median"] / base["median"]
+
+    def extra(self, case, column, value):
+        self.extras.setdefault(case, {})[column] = value
+
+    def to_json(self):
+        for row in self.rows:
+            row["ratio_vs_pipe"] = self.ratio(row["case"], row["method"])
+        return {
+            "name": self.name,
+            "title": self.title,
+            "unit": self.unit,
+            "notes": self.notes,
+            "rows": self.rows,
+            "extras": self.extras,
+            "summary": self.summary,
+        }
+
+
+def fmt(value, unit):
+    if value is None:
+        return "n/a"
+    if unit == "B":
+        for scale, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {suffix}"
+        return f"{value:.0f} B"
+    if unit == "s":
+        for scale, suffix in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
+            if abs(value) >= scale or suffix == "us":
+                digits = 3 - len(str(int(abs(value) / scale)))
+                return f"{value / scale:.{max(0, digits)}f} {suffix}"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def markdown(result):
+    """The scenario as a markdown table: one row per case, one column per
+    method with `median [min-max] ratio-to-pipe`, then the extra columns."""
+    methods = result.methods()
+    columns = list(dict.fromkeys(c for e in result.extras.values() for c in e))
+    lines = [
+        f"### {result.title}",
+        "",
+        "| case | " + " | ".join(LABELS.get(m, m) for m in methods + columns) + " |",
+        "|---" * (1 + len(methods) + len(columns)) + "|",
+    ]
+    for case in result.cases():
+        cells = [case]
+        for method in methods:
+            row = result.get(case, method)
+            if row is None:
+                cells.append("")
+                continue
+            ratio = result.ratio(case, method)
+            cell = (
+                f"{fmt(row['median'], result.unit)} "
+                f"[{fmt(row['min'], result.unit)}-{fmt(row['max'], result.unit)}]"
+            )
+            if method != BASELINE and ratio is not None:
+                cell += f" {ratio:.2f}x"
+            cells.append(cell)
+        for column in columns:
+            cells.append(fmt(result.extras.get(case, {}).get(column), None))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {note}" for note in result.notes]
+    return "\n".join(lines) + "\n"
+
+
+def machine():
+    """What the numbers were measured on."""
+    import numpy
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if "model name" in ln)
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": fmt(memory, "B") if memory else "unknown",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def machine_line(info):
+    return (
+        f"{info['cpu']}, {info['cores']} cores, {info['memory']} RAM, "
+        f"Linux {info['kernel']}, Python {info['python']}, torch {info['torch']}, "
+        f"numpy {info['numpy']}"
+    )
+
+
+def write_json(results, path, info, args):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "machine": info,
+                "args": args,
+                "scenarios": [r.to_json() for r in results],
+            },
+            f,
+            indent=1,
+        )
+
+
+def plot(result, ax=None):
+    """One figure per scenario: median with min-max bars, log scale.
+
+    Per-case lines when cases are sizes (per_item), grouped bars otherwise.
+    Returns the matplotlib Figure.
+    """
+    import matplotlib
+
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5))
+    else:
+        fig = ax.figure
+    cases, methods = result.cases(), result.methods()
+    x = list(range(len(cases)))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        rows = [result.get(case, method) for case in cases]
+        xs = [j for j, row in zip(x, rows) if row]
+        med = [row["median"] for row in rows if row]
+        err = [
+            [row["median"] - row["min"] for row in rows if row],
+            [row["max"] - row["median"] for row in rows if row],
+        ]
+        label = LABELS.get(method, method)
+        if result.name == "per_item":
+            ax.errorbar(xs, med, yerr=err, marker="o", ms=3, capsize=2, label=label)
+        else:
+            offset = [v - 0.4 + width * (i + 0.5) for v in xs]
+            ax.bar(offset, med, width, yerr=err, capsize=2, label=label)
+    ax.set_xticks(x)
+    ax.set_xticklabels(cases, rotation=30 if len(cases) > 4 else 0, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("GiB" if result.unit == "B" else "seconds (lower is better)")
+    if result.unit == "B":
+        ax.yaxis.set_major_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / (1 << 30):.2g}")
+        )
+    ax.set_title(result.title)
+    ax.grid(True, which="both", axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(results, directory):
+    """A PNG per scenario. Call before anything imports pyplot to get the
+    file-only Agg backend (the CLI does; a notebook keeps its own)."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for result in results:
+        fig = plot(result)
+        path = os.path.join(directory, f"{result.name}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,44 @@
+"""The scenarios of issue 4, in order. Each module has NAME, TITLE and
+`run(quick, bar) -> report.Result`; `bar` is a tqdm bar to reset and advance."""
+
+from benchmarks.scenarios import (
+    big_array,
+    dataframe,
+    dataloader,
+    era5,
+    many_small,
+    memory,
+    per_item,
+)
+
+SCENARIOS = {
+    module.NAME: module
+    for module in (
+        big_array,
+        era5,
+        dataframe,
+        per_item,
+        many_small,
+        dataloader,
+        memory,
+    )
+}
+# "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
+ALIASES = {"core": ["big_array", "per_item"], "all": list(SCENARIOS)}
+
+
+def select(names):
+    """Scenario modules for names, numbers (1-7) or aliases, in suite order."""
+    wanted = []
+    for name in names:
+        name = name.strip()
+        if name.isdigit() and 1 <= int(name) <= len(SCENARIOS):
+            wanted.append(list(SCENARIOS)[int(name) - 1])
+        elif name in ALIASES:
+            wanted += ALIASES[name]
+        elif name in SCENARIOS:
+            wanted.append(name)
+        else:
+            choices = ", ".join(list(SCENARIOS) + list(ALIASES))
+            raise ValueError(f"unknown scenario {name!r}: expected 1-7 or {choices}")
+    return [SCENARIOS[n] for n in SCENARIOS if n in wanted]

@@ -1,0 +1,39 @@
+"""1. The seed experiment: a 400 MB np.arange sent child -> parent.
+
+Reports the first send and the steady state (sends 2..N of a fresh array, as
+DataLoader epochs produce), and the effective bandwidth of the steady state.
+"""
+
+import numpy as np
+
+from benchmarks.report import Result
+from benchmarks.transports import LABELS, METHODS, sender
+
+NAME = "big_array"
+
+
+def make_arange(n):
+    return np.arange(n)
+
+
+def run(quick, bar):
+    n, sends = (5 * 10**6, 4) if quick else (5 * 10**7, 8)
+    nbytes = n * 8
+    result = Result(
+        NAME,
+        f"1. np.arange({n:.0e}) ({nbytes / 1e6:.0f} MB) child -> parent",
+        notes=[
+            f"{sends} sends per method, each of a freshly built array; steady ="
+            " median [min-max] of sends 2..N. The receiver reads every page.",
+        ],
+    )
+    bar.reset(total=len(METHODS))
+    for method in METHODS:
+        seconds = sender(method).measure(make_arange, (n,), sends)
+        result.add("first send", method, seconds[:1], warmup=0)
+        steady = result.add("steady (sends 2..N)", method, seconds)
+        if method != "torchshm_shared":  # O(1): a bandwidth would mislead
+            gbps = nbytes / steady["median"] / 1e9
+            result.extra("steady (sends 2..N)", f"GB/s {LABELS[method]}", gbps)
+        bar.update()
+    return result

@@ -1,0 +1,113 @@
+"""6. DataLoader epoch throughput with NumPy samples, 1-N workers.
+
+The collate function is what differs: `np.stack` (sent by pipe + pickle,
+shared_memory + pickle5 or torchshm), torch's default collate (stacks into
+torch shared memory inside the worker) and `torchshm.collate` (stacks into one
+torchshm segment per batch, so the send is O(1)).
+"""
+
+import time
+
+import numpy as np
+import torch.utils.data
+
+import torchshm
+from benchmarks.report import Result
+from benchmarks.transports import (
+    OutOfBand,
+    WorkerSetup,
+    finish,
+    release_received,
+    touch,
+)
+
+NAME = "dataloader"
+
+
+class Samples(torch.utils.data.Dataset):
+    """`length` float32 samples of `shape`, views of a small pool (like a
+    memory-mapped dataset): __getitem__ itself costs nothing."""
+
+    def __init__(self, length, shape):
+        self.length = length
+        self.pool = np.random.default_rng(0).random((16, *shape), dtype=np.float32)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return self.pool[index % len(self.pool)]
+
+
+def stack(samples):
+    return np.stack(samples)
+
+
+def stack_out_of_band(samples):
+    return OutOfBand(np.stack(samples))
+
+
+COLLATES = {
+    "pipe": stack,
+    "shm_pickle5": stack_out_of_band,
+    "torch": torch.utils.data.default_collate,
+    "torchshm": stack,
+}
+if hasattr(torchshm, "collate"):
+    COLLATES["torchshm_collate"] = torchshm.collate
+
+
+def epoch_seconds(method, workers, dataset, batch, epochs):
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        num_workers=workers,
+        collate_fn=COLLATES[method],
+        worker_init_fn=WorkerSetup(method),
+        multiprocessing_context="fork",
+        persistent_workers=True,
+    )
+    seconds = []
+    for _ in range(epochs + 1):  # the first epoch starts the workers: warm-up
+        start = time.perf_counter()
+        for batch_ in loader:
+            touch(finish(method, batch_))
+            del batch_
+            release_received()
+        seconds.append(time.perf_counter() - start)
+    del loader  # shuts the persistent workers down
+    return seconds
+
+
+def run(quick, bar):
+    if quick:
+        length, shape, batch, epochs, worker_counts = 64, (64, 1024), 16, 2, (1, 2)
+    else:
+        length, shape, batch, epochs, worker_counts = 512, (256, 1024), 32, 4, (1, 2, 4)
+    sample_mib = np.prod(shape) * 4 / (1 << 20)
+    epoch_bytes = length * np.prod(shape) * 4
+    result = Result(
+        NAME,
+        f"6. DataLoader epoch, {length} samples of {sample_mib:g} MiB,"
+        f" batch {batch}",
+        notes=[
+            "Epoch time; the main process reads every page of every batch."
+            f" Median [min-max] of epochs 2..{epochs + 1} (epoch 1 starts the"
+            " persistent workers). Columns: the collate_fn and how its batch"
+            " is sent (torch tensor = default_collate).",
+        ],
+    )
+    if "torchshm_collate" not in COLLATES:
+        result.notes.append("torchshm.collate is not available in this build.")
+    dataset = Samples(length, shape)
+    bar.reset(total=len(COLLATES) * len(worker_counts))
+    for workers in worker_counts:
+        label = f"{workers} worker{'s' if workers > 1 else ''}"
+        for method in COLLATES:
+            seconds = epoch_seconds(method, workers, dataset, batch, epochs)
+            row = result.add(label, method, seconds)
+            if method in ("torch", "torchshm_collate"):
+                name = "default" if method == "torch" else "torchshm.collate"
+                result.extra(label, f"GB/s {name}", epoch_bytes / row["median"] / 1e9)
+            bar.update()
+    return result

@@ -1,0 +1,40 @@
+"""5. Many small arrays in one message.
+
+Below the threshold torchshm pickles inline, so it should match pipe +
+pickle; `torchshm_always` and one torch tensor per array show what a segment
+(or a storage and an fd) per array costs.
+"""
+
+import numpy as np
+
+from benchmarks.report import Result
+from benchmarks.transports import METHODS, sender
+
+NAME = "many_small"
+
+
+def make_arrays(count, nbytes):
+    return [np.full(nbytes // 8, i, dtype=np.float64) for i in range(count)]
+
+
+def run(quick, bar):
+    count, sends = (200, 4) if quick else (1000, 8)
+    cases = [(count, 4 << 10), (count, 64 << 10)]
+    methods = METHODS + ("torchshm_always",)
+    result = Result(
+        NAME,
+        "5. Many small arrays in one message (a list), child -> parent",
+        notes=[
+            "torch tensor = one torch.from_numpy tensor per array;"
+            f" median [min-max] of sends 2..{sends}.",
+        ],
+    )
+    bar.reset(total=len(methods))
+    for method in methods:
+        for n, nbytes in cases:
+            label = f"{n} x {nbytes >> 10} KiB"
+            result.add(
+                label, method, sender(method).measure(make_arrays, (n, nbytes), sends)
+            )
+        bar.update()
+    return result

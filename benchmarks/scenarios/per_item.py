@@ -1,0 +1,78 @@
+"""4. Per-item cost from 1 KiB to 512 MiB, and where sharing starts to pay.
+
+`torchshm_always` (threshold 0) shares every array: the smallest size from
+which it beats pipe + pickle at every larger size is the crossover, the
+natural default for torchshm's threshold. `torchshm` (the default threshold)
+must never be slower than pipe + pickle.
+"""
+
+import numpy as np
+
+from benchmarks.report import Result, fmt
+from benchmarks.transports import METHODS, sender
+
+NAME = "per_item"
+KIB, MIB = 1 << 10, 1 << 20
+FULL_SIZES = [
+    *(KIB * k for k in (1, 4, 16, 32, 64, 128, 256, 512)),
+    *(MIB * m for m in (1, 4, 16, 64, 256, 512)),
+]
+QUICK_SIZES = [KIB * k for k in (1, 16, 64, 128, 256)] + [MIB * m for m in (1, 16)]
+RATIO = "torchshm / min(pipe, torch)"
+
+
+def make_bytes(nbytes):
+    return np.full(nbytes, 1, dtype=np.uint8)
+
+
+def size_label(nbytes):
+    return fmt(nbytes, "B").replace(".00", "")
+
+
+def run(quick, bar):
+    sizes, budget, most = (QUICK_SIZES, 0.05, 50) if quick else (FULL_SIZES, 0.5, 300)
+    methods = METHODS + ("torchshm_always",)
+    result = Result(
+        NAME,
+        "4. Per item, one uint8 array child -> parent (ping-pong)",
+        notes=[
+            "Persistent processes, set-up excluded; each size is repeated for"
+            f" ~{budget} s (at least 3, at most {most}) after one warm-up send.",
+        ],
+    )
+    bar.reset(total=len(methods) * len(sizes))
+    # Methods interleaved per size, so that a burst of load on the machine
+    # hits every method of that size alike.
+    for nbytes in sizes:
+        for method in methods:
+            (first,) = sender(method).measure(make_bytes, (nbytes,), 1)
+            count = max(3, min(most, int(budget / max(first, 1e-5))))
+            seconds = sender(method).measure(make_bytes, (nbytes,), count)
+            result.add(size_label(nbytes), method, seconds, warmup=0)
+            bar.update()
+    summarize_crossover(result, sizes)
+    return result
+
+
+def summarize_crossover(result, sizes):
+    labels = [size_label(n) for n in sizes]
+    worst = 0.0
+    for label in labels:
+        shm = result.get(label, "torchshm")["median"]
+        pipe = result.get(label, "pipe")["median"]
+        torch = result.get(label, "torch")["median"]
+        result.extra(label, "torchshm / pipe", shm / pipe)
+        result.extra(label, RATIO, shm / min(pipe, torch))
+        worst = max(worst, shm / pipe)
+    # The crossover: the smallest size from which sharing wins at every size.
+    crossover = None
+    for nbytes, label in reversed(list(zip(sizes, labels))):
+        if result.ratio(label, "torchshm_always") >= 1:
+            break
+        crossover = nbytes
+    result.summary = {"crossover_bytes": crossover, "worst_torchshm_over_pipe": worst}
+    result.notes.append(
+        "Crossover (sharing every array beats pipe + pickle from here up): "
+        + (size_label(crossover) if crossover else "none measured")
+        + f". Worst torchshm / pipe at any size: {worst:.2f}."
+    )

@@ -1,0 +1,372 @@
+"""The ways to move an object to another process, each implemented once.
+
+Every method sends through the same multiprocessing Pipe (or DataLoader
+queue); they differ only in how the *sending* process pickles:
+
+- ``pipe``: plain pickling, torchshm unregistered in the sender.
+- ``shm_pickle5``: pickle protocol 5 with out-of-band buffers copied into one
+  ``multiprocessing.shared_memory.SharedMemory`` per message.
+- ``torch``: arrays travel as ``torch.from_numpy`` tensors under torch's own
+  reducers (default ``file_descriptor`` strategy, so the sender stays alive).
+- ``torchshm``: torchshm registered; every send snapshots into a new segment.
+- ``torchshm_shared``: ``torchshm.share`` once (untimed), then O(1) sends.
+- ``torchshm_always``: torchshm with threshold 0, to find the crossover.
+
+A method has three hooks: `setup_sender` (once per sending process),
+`prepare` (per payload, in the sender, untimed) and `finish` (per payload, in
+the receiver, timed), plus `release_received` after the receiver dropped it.
+"""
+
+import collections
+import multiprocessing as mp
+import pickle
+import time
+import warnings
+from multiprocessing import shared_memory
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers
+import torch.utils.data
+
+import torchshm
+
+METHODS = ("pipe", "shm_pickle5", "torch", "torchshm", "torchshm_shared")
+LABELS = {
+    "pipe": "pipe + pickle",
+    "shm_pickle5": "shared_memory + pickle5",
+    "torch": "torch tensor",
+    "torchshm": "torchshm",
+    "torchshm_shared": "torchshm pre-shared",
+    "torchshm_always": "torchshm, threshold 0",
+    "torchshm_collate": "torchshm.collate",
+}
+PAGE = 4096
+# torchshm's fallbacks (pickled by value instead) in Sender children, by
+# reason: a benchmark of torchshm that silently pickled would be a lie.
+FALLBACKS = collections.Counter()
+TIMEOUT = 600  # seconds: one 512 MiB pickle takes ~2 s, so this only catches hangs
+
+
+# -- sender side ------------------------------------------------------------
+
+
+def setup_sender(method):
+    """Puts this (sending) process's ForkingPickler in the method's state."""
+    if method.startswith("torchshm"):
+        torchshm.register()
+        if method == "torchshm_always":
+            torchshm.set_threshold(0)
+    else:
+        # The baselines must not be helped by torchshm's reducers.
+        torchshm.unregister()
+    if method == "torch":
+        # Arrays nested in other objects (DataFrame blocks, xarray variables)
+        # become tensors too; top-level ones are converted in `prepare`.
+        for t in (np.ndarray, np.memmap, np.recarray):
+            ForkingPickler.register(t, _reduce_as_tensor)
+
+
+def prepare(method, obj):
+    """The payload as this method sends it (runs in the sender, untimed)."""
+    if method == "torchshm_shared":
+        return torchshm.share(obj)
+    if method == "shm_pickle5":
+        return OutOfBand(obj)
+    if method == "torch":
+        return _map_arrays(obj, _as_tensor)
+    return obj
+
+
+def _as_tensor(array):
+    """torch.from_numpy(array), or the array where torch refuses it
+    (object/datetime/string dtypes, negative strides, byte-swapped)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only arrays warn
+            return torch.from_numpy(array)
+    except (TypeError, ValueError, RuntimeError):
+        return array
+
+
+def _reduce_as_tensor(array):
+    tensor = _as_tensor(array) if type(array) is np.ndarray else array
+    if tensor is array:
+        return array.__reduce__()
+    return _tensor_to_numpy, (tensor,)
+
+
+def _tensor_to_numpy(tensor):
+    return tensor.numpy()
+
+
+def _map_arrays(obj, fn):
+    """fn applied to the ndarrays/tensors of a (nested) list, tuple or dict."""
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_arrays(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_arrays(v, fn) for k, v in obj.items()}
+    return obj
+
+
+class OutOfBand:
+    """Pickles `obj` with protocol 5 and its buffers in one SharedMemory.
+
+    What a careful user writes with the standard library alone: the pickle
+    stream carries only metadata and the segment's name; the receiver maps
+    the segment and unpickles with `buffers=` (zero-copy on that side).
+    """
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __reduce__(self):
+        buffers = []
+        data = pickle.dumps(self.obj, protocol=5, buffer_callback=buffers.append)
+        views = [b.raw() for b in buffers]
+        sizes = [v.nbytes for v in views]
+        shm = shared_memory.SharedMemory(create=True, size=max(1, sum(sizes)))
+        offset = 0
+        for view, size in zip(views, sizes):
+            shm.buf[offset : offset + size] = view
+            offset += size
+        del view
+        shm.close()
+        return _load_out_of_band, (data, shm.name, sizes)
+
+
+# SharedMemory objects whose buffers the receiver still uses; closing one while
+# an array views it raises BufferError, so they are closed after the payload.
+_attached = []
+
+
+def _load_out_of_band(data, name, sizes):
+    shm = shared_memory.SharedMemory(name=name)
+    shm.unlink()  # the mapping stays valid; nothing is left if we die
+    _attached.append(shm)
+    buffers, offset = [], 0
+    for size in sizes:
+        buffers.append(shm.buf[offset : offset + size])
+        offset += size
+    return pickle.loads(data, buffers=buffers)
+
+
+# -- receiver side ----------------------------------------------------------
+
+
+def finish(method, obj):
+    """The received payload as the application uses it: NumPy arrays."""
+    if method == "torch":
+        return _map_arrays(obj, lambda t: t.numpy() if torch.is_tensor(t) else t)
+    return obj
+
+
+def release_received():
+    """Unmaps what `finish`ed payloads left mapped (call after dropping them)."""
+    still = []
+    for shm in _attached:
+        try:
+            shm.close()
+        except BufferError:
+            still.append(shm)
+    _attached[:] = still
+
+
+def touch(obj):
+    """Reads one byte per page of every array in `obj`, as a consumer would:
+    a zero-copy receiver pays its page faults here, not in the transport."""
+    for array in _arrays_in(obj):
+        if array.dtype.hasobject or array.size == 0:
+            continue
+        if array.flags.c_contiguous or array.flags.f_contiguous:
+            flat = array.ravel(order="K").view(np.uint8)
+            int(flat[::PAGE].sum())
+        else:
+            array.sum()
+
+
+def _arrays_in(obj):
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif torch.is_tensor(obj):
+        yield obj.numpy()
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _arrays_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _arrays_in(x)
+    elif hasattr(obj, "variables"):  # xarray Dataset / DataArray
+        for var in obj.variables.values():
+            yield from _arrays_in(var.values)
+    elif hasattr(obj, "columns") and hasattr(obj, "iloc"):  # pandas DataFrame
+        for _, column in obj.items():
+            values = column.values
+            yield from _arrays_in(getattr(values, "codes", values))
+
+
+# -- a persistent sender ----------------------------------------------------
+
+
+class Sender:
+    """A child process that builds payloads and sends them back one at a time.
+
+    The child starts once per method and is reused for every size, so process
+    start-up and the transport's set-up (imports, torch's fd listener) are not
+    measured. Each send is a ping-pong: the child builds the payload, takes
+    `t0` on the shared monotonic clock, sends; the parent receives, rebuilds,
+    touches every page, takes `t1`, acks; only then is the next payload built,
+    so consecutive items never compete for the two cores.
+    """
+
+    def __init__(self, method, context="spawn"):
+        ctx = mp.get_context(context)
+        self.method = method
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_serve, args=(child, method), name=f"sender-{method}", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self._recv()  # ready: imports done, transport set up
+
+    def measure(self, make, args=(), count=1):
+        """Seconds per send of `make(*args)`, one per send, first send first."""
+        self.conn.send((make, args, count))
+        seconds = []
+        for _ in range(count):
+            t0, obj = self._recv()
+            touch(finish(self.method, obj))
+            seconds.append(time.perf_counter() - t0)
+            del obj
+            release_received()
+            self.conn.send(True)
+        FALLBACKS.update(self._recv()[1])
+        return seconds
+
+    def _recv(self):
+        if not self.conn.poll(TIMEOUT):
+            raise TimeoutError(f"{self.method} sender sent nothing in {TIMEOUT} s")
+        message = self.conn.recv()
+        if isinstance(message, BaseException):
+            raise RuntimeError(f"{self.method} sender failed") from message
+        return message
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(30)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _serve(conn, method):
+    setup_sender(method)
+    conn.send(True)
+    for command in iter(conn.recv, None):
+        try:
+            make, args, count = command
+            payload = None
+            for _ in range(count):
+                # A fresh payload per send (as DataLoader epochs produce), except
+                # pre-shared: shared once, then sent again and again.
+                if payload is None or method != "torchshm_shared":
+                    payload = None  # free the previous one before building
+                    payload = prepare(method, make(*args))
+                conn.send((time.perf_counter(), payload))
+                conn.recv()
+            del payload
+            conn.send(("done", torchshm.stats()["fallbacks"]))
+            torchshm.reset_stats()
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send(exc)
+
+
+_senders = {}
+
+
+def sender(method):
+    """The persistent Sender for `method`, started on first use and shared by
+    all scenarios of a run (a spawn with torch's imports costs seconds)."""
+    if method not in _senders or not _senders[method].process.is_alive():
+        _senders[method] = Sender(method)
+    return _senders[method]
+
+
+def close_senders():
+    while _senders:
+        _senders.popitem()[1].close()
+
+
+# -- through a DataLoader worker --------------------------------------------
+
+
+class TimedDataset(torch.utils.data.Dataset):
+    """Items `(t0, payload)`: `make(*args)` prepared for `method`, stamped
+    when the worker hands it to the DataLoader (before it is pickled)."""
+
+    def __init__(self, method, make, args, length):
+        self.method, self.make, self.args, self.length = method, make, args, length
+        self._shared = None
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if self.method == "torchshm_shared":
+            if self._shared is None:
+                self._shared = prepare(self.method, self.make(*self.args))
+            payload = self._shared
+        else:
+            payload = prepare(self.method, self.make(*self.args))
+        return time.perf_counter(), payload
+
+
+class WorkerSetup:
+    """A picklable DataLoader worker_init_fn that calls setup_sender(method)."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def __call__(self, worker_id):
+        setup_sender(self.method)
+
+
+def identity(item):
+    return item
+
+
+def measure_dataloader(method, make, args=(), count=1, context="fork"):
+    """Seconds per item of `make(*args)` through one DataLoader worker."""
+    loader = torch.utils.data.DataLoader(
+        TimedDataset(method, make, args, count),
+        batch_size=None,
+        num_workers=1,
+        collate_fn=identity,
+        worker_init_fn=WorkerSetup(method),
+        multiprocessing_context=context,
+        # One item in flight: the worker builds item i+1 while the main
+        # process touches item i, but never sends two at once.
+        prefetch_factor=1,
+        timeout=TIMEOUT,
+    )
+    seconds = []
+    for t0, obj in loader:
+        touch(finish(method, obj))
+        seconds.append(time.perf_counter() - t0)
+        del obj
+        release_received()
+    return seconds
