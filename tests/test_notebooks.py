@@ -1,0 +1,58 @@
+"""Executes the notebooks (quick sizes) through nbclient so that they cannot rot."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def jupyter_path(tmp_path_factory):
+    """A `python3` kernelspec that runs this interpreter.
+
+    Debian's own python3 kernelspec launches /usr/bin/python3, which does not
+    see the venv's torchshm; JUPYTER_PATH comes first in the kernel search.
+    """
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    kernel = {"argv": argv, "display_name": "Python 3", "language": "python"}
+    (spec / "kernel.json").write_text(json.dumps(kernel))
+    return root
+
+
+def test_notebooks_exist():
+    names = {path.name for path in NOTEBOOKS}
+    assert {"quickstart.ipynb", "benchmarks.ipynb"} <= names, names
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_notebook_runs(path, jupyter_path, monkeypatch):
+    notebook = nbformat.read(path, as_version=4)
+    stored = [c for c in notebook.cells if c.cell_type == "code" and c.outputs]
+    assert not stored, f"{path.name} is stored with outputs: clear them"
+
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    monkeypatch.setenv("TORCHSHM_BENCH_QUICK", "1")
+    # conftest lowers the threshold for the other tests; the notebooks show
+    # (and benchmark) torchshm as users get it.
+    monkeypatch.delenv("TORCHSHM_THRESHOLD", raising=False)
+    client = nbclient.NotebookClient(
+        notebook,
+        kernel_name="python3",
+        timeout=180,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    client.execute()  # raises CellExecutionError with the failing cell
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, errors
