@@ -1,0 +1,452 @@
+"""Child targets and driver scenarios for the fault, limit and bad-input tests.
+
+Targets live at module top level so that spawn and forkserver can import them.
+`python -m tests.fault_children SCENARIO ARGS...` runs a driver: it founds a
+torchshm session of its own (see tests/isolated.py), prints `session <id>`,
+then one JSON object per line.
+"""
+
+import gc
+import json
+import os
+import queue
+import resource
+import signal
+import sys
+import threading
+import time
+import warnings
+import multiprocessing as mp
+
+import numpy as np
+import torch
+
+import torchshm
+from torchshm import _session
+from tests import isolated
+
+TIMEOUT = 60
+
+
+class Tagged(np.ndarray):
+    """An ndarray subclass torchshm knows nothing about."""
+
+
+# ---------------------------------------------------------------- senders that exit
+
+
+def put_and_return(q, n):
+    """The seed experiment's worker: put one array and return at once."""
+    q.put(np.arange(n))
+
+
+def put_tensor_view_and_return(q, n):
+    """Puts an array over a share_memory_()d tensor and returns at once."""
+    q.put(torch.arange(n).share_memory_().numpy()[1:])
+
+
+def pool_array(seed):
+    return np.arange(seed, seed + 200_000)
+
+
+def take_one_and_die(q):
+    """A consumer that crashes while holding an array, with more left unread."""
+    held = q.get(timeout=TIMEOUT)
+    assert torchshm.is_shared(held)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- fd limit
+
+
+def fd_limited_consumer(inbox, outbox, limit, keep_every):
+    """Receives (i, arrays) until None under `ulimit -n limit`, keeping the
+    arrays of every keep_every-th message alive to the end."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    received, bad, kept = 0, 0, []
+    for i, arrays in iter(inbox.get, None):
+        received += 1
+        bad += not all(_fd_array_ok(i, k, a) for k, a in enumerate(arrays))
+        if i % keep_every == 0:
+            kept.extend((i, k, a) for k, a in enumerate(arrays))
+    outbox.put(
+        {
+            "received": received,
+            "bad": bad,
+            "kept": len(kept),
+            "kept_ok": all(_fd_array_ok(i, k, a) for i, k, a in kept),
+            "kept_shared": all(torchshm.is_shared(a) for _, _, a in kept),
+            "open_fds": len(os.listdir("/proc/self/fd")),
+        }
+    )
+
+
+def fd_array(i, k):
+    """128-144 KiB: above the default threshold too."""
+    n = 16384 + (i * 5 + k) % 2048
+    return np.arange(n, dtype=np.int64) + (i * 5 + k) * 1000
+
+
+def _fd_array_ok(i, k, a):
+    return np.array_equal(a, fd_array(i, k))
+
+
+# ---------------------------------------------------------------- threads
+
+
+def thread_bases():
+    """The arrays the sending threads slice; the receiver rebuilds them."""
+    return [
+        np.arange(60_000, dtype=np.float64).reshape(300, 200),
+        np.arange(90_000, dtype=">i4"),
+        np.arange(40_000, dtype=np.int16).reshape(200, 200).T,
+    ]
+
+
+def thread_views(bases, shared, thread, j):
+    """Overlapping views of the bases for message j of a thread. The first view
+    of each base covers over half of it, so the message holds one copy of it."""
+    a, b, c = bases
+    s = (thread * 7 + j) % 50
+    return [
+        a[s:],
+        a[s + 10 : s + 60, ::-1],
+        b[s * 100 :],
+        b[s * 100 + 1 :: 2],
+        c,
+        c[::2, s:],
+        shared[s : s + 500],
+        shared[::-7],
+    ]
+
+
+def prefetch_receiver(inbox, outbox, shared, prefetchers):
+    """Unpickles in `prefetchers` threads, as a DataLoader prefetch thread does,
+    and checks every message (values, and aliasing of overlapping views)."""
+    bases = thread_bases()
+    pending = queue.Queue()
+
+    def prefetch():
+        for item in iter(inbox.get, None):
+            pending.put(item)
+        pending.put(None)
+
+    threads = [threading.Thread(target=prefetch) for _ in range(prefetchers)]
+    for t in threads:
+        t.start()
+    received, bad, unshared, done = 0, 0, 0, 0
+    while done < prefetchers:
+        item = pending.get(timeout=TIMEOUT)
+        if item is None:
+            done += 1
+            continue
+        (thread, j), views = item
+        expected = thread_views(bases, shared, thread, j)
+        received += 1
+        unshared += sum(not torchshm.is_shared(v) for v in views)
+        ok = all(np.array_equal(v, e) for v, e in zip(views, expected))
+        # Writes go to this message's snapshot: the overlapping view sees them.
+        views[0][10, -1] = -1
+        views[2][-1] = -2
+        ok = ok and views[1][0, 0] == -1 and views[3][-1] == -2
+        bad += not ok
+    for t in threads:
+        t.join(TIMEOUT)
+    outbox.put({"received": received, "bad": bad, "unshared": unshared})
+
+
+# ---------------------------------------------------------------- kill rounds
+
+# Fields of a round's shared counters.
+SENDER_PID, RECEIVER_PID, SENT, RECEIVED, BAD, SENDER_DONE, RECEIVER_DONE = range(7)
+ERRORS, FIELDS = 7, 8
+SHARED_N = 100_000
+
+
+def kill_message(i, rng):
+    n = int(rng.integers(1, 64)) * 1024
+    base = np.arange(i, i + n, dtype=np.int64)
+    return base, base[::-2]
+
+
+def kill_sender(reader, writer, stats, shared, messages, seed):
+    reader.close()
+    rng = np.random.default_rng(seed)
+    try:
+        for i in range(messages):
+            base, view = kill_message(i, rng)
+            s = i * 1000
+            writer.send((i, base, view, shared[s : s + 5000]))
+            stats[SENT] = i + 1
+            time.sleep(rng.uniform(0, 0.004))
+    except BrokenPipeError:  # the receiver was killed
+        return
+    stats[SENDER_DONE] = 1
+
+
+def kill_receiver(reader, writer, stats, seed):
+    writer.close()
+    rng = np.random.default_rng(seed)
+    kept = []
+    try:
+        while True:
+            try:
+                i, base, view, shared = reader.recv()
+            except EOFError:  # the sender is gone and the pipe is drained
+                break
+            expected = np.arange(i, i + len(base))
+            s = i * 1000
+            ok = np.array_equal(base, expected) and np.array_equal(view, expected[::-2])
+            ok = ok and np.array_equal(shared, np.arange(s, s + 5000) * 2)
+            base[-1] = -1  # the view is over the same memory
+            ok = ok and view[0] == -1 and torchshm.is_shared(base)
+            stats[BAD] += not ok
+            stats[RECEIVED] += 1
+            if rng.random() < 0.5:
+                kept = kept[-8:] + [base, view, shared]
+            time.sleep(rng.uniform(0, 0.004))
+    except Exception:
+        stats[ERRORS] += 1
+        raise
+    stats[RECEIVER_DONE] = 1
+
+
+def kill_round_parent(stats, messages, seed):
+    """One round: a sender and a receiver joined by a pipe, both forked from
+    here after this process shared an array that the sender re-sends."""
+    ctx = mp.get_context("fork")
+    shared = torchshm.share(np.arange(SHARED_N) * 2)
+    reader, writer = ctx.Pipe(duplex=False)
+    args = (reader, writer, stats)
+    sender = ctx.Process(target=kill_sender, args=args + (shared, messages, seed))
+    receiver = ctx.Process(target=kill_receiver, args=args + (seed + 1,))
+    sender.start()
+    receiver.start()
+    # Only the two ends in use stay open: a killed end is then seen as EOF or
+    # EPIPE by the survivor instead of a wait for ever.
+    reader.close()
+    writer.close()
+    stats[SENDER_PID], stats[RECEIVER_PID] = sender.pid, receiver.pid
+    sender.join()
+    receiver.join()
+
+
+VICTIMS = ("sender", "receiver", "parent", None)
+VICTIM_WEIGHTS = (0.3, 0.3, 0.25, 0.15)
+ROUND_TIMEOUT = 30
+
+
+def _kill_if_alive(pid):
+    if not pid or isolated._stat(pid) is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while any(isolated._stat(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if isolated._stat(p)]
+
+
+def kill_rounds(rounds, seed, messages=16):
+    """Rounds of sender -> receiver traffic with a SIGKILL of the sender, the
+    receiver or their parent at a random moment; one JSON line per round and
+    the totals."""
+    rounds, seed, messages = int(rounds), int(seed), int(messages)
+    rng = np.random.default_rng(seed)
+    ctx = mp.get_context("fork")
+    totals = dict.fromkeys(
+        (
+            "rounds kills messages sent lost dropped bad errors hung" " early_leftovers"
+        ).split(),
+        0,
+    )
+    for r in range(rounds):
+        stats = ctx.RawArray("q", FIELDS)
+        parent = ctx.Process(
+            target=kill_round_parent, args=(stats, messages, seed * 100_000 + r)
+        )
+        parent.start()
+        deadline = time.monotonic() + ROUND_TIMEOUT
+        while not stats[RECEIVER_PID] and parent.exitcode is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        pids = {
+            "parent": parent.pid,
+            "sender": stats[SENDER_PID],
+            "receiver": stats[RECEIVER_PID],
+        }
+        victim = VICTIMS[rng.choice(len(VICTIMS), p=VICTIM_WEIGHTS)]
+        time.sleep(rng.uniform(0, 0.08))
+        killed = victim is not None and _kill_if_alive(pids[victim])
+        parent.join(ROUND_TIMEOUT)
+        hung = _wait_gone([p for p in pids.values() if p], ROUND_TIMEOUT)
+        for pid in hung:
+            _kill_if_alive(pid)
+        parent.join(ROUND_TIMEOUT)
+
+        row = {"round": r, "victim": victim if killed else None, "hung": len(hung)}
+        row.update(sent=stats[SENT], received=stats[RECEIVED], bad=stats[BAD])
+        row["errors"] = stats[ERRORS]
+        receiver_killed = killed and victim == "receiver"
+        sender_killed = killed and victim == "sender"
+        lost = 0
+        if not receiver_killed:
+            # Everything the sender wrote reaches a living receiver.
+            if not stats[RECEIVER_DONE]:
+                row["errors"] += 1
+            expected = messages if stats[SENDER_DONE] else stats[SENT]
+            lost = max(0, expected - stats[RECEIVED])
+        row["lost"] = lost
+        row["dropped"] = max(0, stats[SENT] - stats[RECEIVED]) - lost
+        # Without a killed sender or receiver, references all came back: their
+        # segments are gone now, long before the reaper's sweep.
+        early = []
+        if not (receiver_killed or sender_killed):
+            owners = [pids["sender"], pids["receiver"]]
+            if not killed:
+                owners.append(pids["parent"])
+            names = isolated.session_segments(_session.session_id())
+            early = [n for n in names if int(n.split("_")[2]) in owners]
+        row["early_leftovers"] = len(early)
+        print(json.dumps(row), flush=True)
+
+        totals["rounds"] += 1
+        totals["kills"] += killed
+        totals["messages"] += stats[RECEIVED]
+        for key in ("sent", "lost", "dropped", "bad", "errors", "hung"):
+            totals[key] += row[key]
+        totals["early_leftovers"] += len(early)
+        parent.close()
+    # What SIGKILL left for the reaper to sweep once this process exits.
+    totals["pending_sweep"] = len(isolated.session_segments(_session.session_id()))
+    yield totals
+
+
+# ---------------------------------------------------------------- unread messages
+
+
+def unread():
+    """Messages whose receiver never unpickles them: a queue discarded after
+    its sender exited (fork and spawn), and a consumer killed while holding one
+    array with more unread. Reports the segments they keep until the session
+    ends."""
+    exitcodes = []
+    for method in ("fork", "spawn"):
+        ctx = mp.get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=put_and_return, args=(q, 300_000))
+        p.start()
+        p.join(TIMEOUT)
+        exitcodes.append(p.exitcode)
+        q.close()  # discarded unread
+        q.join_thread()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    for k in range(3):
+        q.put(np.arange(k, k + 300_000))
+    p = ctx.Process(target=take_one_and_die, args=(q,))
+    p.start()
+    p.join(TIMEOUT)
+    exitcodes.append(p.exitcode)
+    q.close()
+    q.join_thread()
+    gc.collect()
+    segments = isolated.session_segments(_session.session_id())
+    yield {"exitcodes": exitcodes, "segments": len(segments)}
+
+
+# ---------------------------------------------------------------- /dev/shm full
+
+SPACE_ITEMS = [8 << 20] * 10 + [72 << 20]  # int64 bytes; 152 MiB in all
+
+
+def space_array(i, nbytes):
+    return np.arange(i, i + nbytes // 8, dtype=np.int64)
+
+
+def space_producer(items, control, report):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, nbytes in enumerate(SPACE_ITEMS):
+            items.put((i, space_array(i, nbytes)))
+        # Once the consumer has dropped everything, there is room again.
+        control.get(timeout=TIMEOUT)
+        items.put((len(SPACE_ITEMS), space_array(99, 8 << 20)))
+        items.put(None)
+        items.close()
+        items.join_thread()  # every item pickled inside catch_warnings
+    report.put(
+        {
+            "warnings": [
+                str(w.message)
+                for w in caught
+                if issubclass(w.category, RuntimeWarning) and "torchshm" in str(w)
+            ],
+            "fallbacks": torchshm.stats()["fallbacks"],
+        }
+    )
+
+
+def space_consumer(items, control, report):
+    got = []
+    for _ in SPACE_ITEMS:
+        i, a = items.get(timeout=TIMEOUT)
+        got.append((i, a, np.array_equal(a, space_array(i, SPACE_ITEMS[i]))))
+    shared = [torchshm.is_shared(a) for _, a, _ in got]
+    equal = [ok for _, _, ok in got]
+    order = [i for i, _, _ in got]
+    del got, a
+    gc.collect()
+    control.put("dropped")
+    i, last = items.get(timeout=TIMEOUT)
+    equal.append(np.array_equal(last, space_array(99, 8 << 20)))
+    shared.append(torchshm.is_shared(last))
+    order.append(i)
+    del last
+    assert items.get(timeout=TIMEOUT) is None
+    report.put({"order": order, "equal": equal, "shared": shared})
+
+
+def space():
+    """A producer fills a small /dev/shm through a consumer that keeps every
+    array; run inside a private tmpfs (tests/test_limits.py)."""
+    ctx = mp.get_context("fork")
+    items, control, report = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=space_producer, args=(items, control, report))
+    consumer = ctx.Process(target=space_consumer, args=(items, control, report))
+    producer.start()
+    consumer.start()
+    results = {}
+    for _ in range(2):
+        results.update(report.get(timeout=TIMEOUT))
+    for p in (producer, consumer):
+        p.join(TIMEOUT)
+    results["exitcodes"] = [producer.exitcode, consumer.exitcode]
+    st = os.statvfs(isolated.SHM_DIR)
+    results["shm_total"] = st.f_blocks * st.f_frsize
+    results["shm_used"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+    results["segments"] = isolated.session_segments(_session.session_id())
+    yield results
+
+
+SCENARIOS = {"kill": kill_rounds, "unread": unread, "space": space}
+
+
+def main(argv):
+    # As in the test session: every array is shared, also in spawn children.
+    os.environ["TORCHSHM_THRESHOLD"] = "1"
+    torchshm.set_threshold(1)
+    print("session", _session.session_id(), flush=True)
+    for result in SCENARIOS[argv[0]](*argv[1:]):
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
