@@ -1,0 +1,129 @@
+"""Limits (GitHub issue 5): file descriptors, a small /dev/shm, threads."""
+
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+import torchshm
+from tests import fault_children, isolated
+from tests.conftest import TIMEOUT
+
+
+def test_a_consumer_under_ulimit_n_64_keeps_500_arrays(no_leaks, child):
+    # A live array costs a mapping, never an fd (torch's fd strategy fails
+    # after ~50 items here). spawn: the child starts with few fds open.
+    messages, limit, keep_every = 2000, 64, 20  # keeps 100 messages x 5 arrays
+    c = child(
+        mp.get_context("spawn"), fault_children.fd_limited_consumer, limit, keep_every
+    )
+    for i in range(messages):
+        c.send((i, [fault_children.fd_array(i, k) for k in range(5)]))
+    c.send(None)
+    result = c.receive()
+    assert c.close() == 0
+    assert result["received"] == messages and result["bad"] == 0
+    assert result["kept"] == 500 and result["kept_ok"] and result["kept_shared"]
+    assert result["open_fds"] < limit
+
+
+def _unshare_skip_reason():
+    if os.geteuid() != 0:
+        return "mounting a private tmpfs on /dev/shm needs root"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    probe = subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    if probe.returncode != 0:
+        return f"unshare -m is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+# The Docker default: 64 MB. unshare makes the mount private to the driver's
+# tree, which also holds its session reaper.
+SMALL_SHM = (
+    "unshare",
+    "-m",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
+    "sh",
+)
+NO_UNSHARE = _unshare_skip_reason()
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+def test_a_full_dev_shm_falls_back_without_sigbus_or_loss():
+    with isolated.Driver("space", wrapper=SMALL_SHM) as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+        assert result["shm_total"] == 64 << 20
+        items = len(fault_children.SPACE_ITEMS) + 1
+        assert result["exitcodes"] == [0, 0], "a child died (-7 is SIGBUS)"
+        assert result["order"] == list(range(items)), "an item was lost"
+        assert all(result["equal"])
+        shared = result["shared"]
+        # What fit was shared; the rest, at least the 72 MiB item, fell back...
+        assert shared[0] and not shared[-2] and shared.count(False) >= 1
+        fallbacks = sum(result["fallbacks"].values())
+        assert fallbacks == shared.count(False), result["fallbacks"]
+        # ...with one warning that names the cause.
+        (warning,) = result["warnings"]
+        assert "pickling it by value" in warning
+        # Freed space is usable again, and no partial segment was left behind.
+        assert shared[-1]
+        assert result["segments"] == []
+        assert result["shm_used"] < 1 << 20
+        _, processes = isolated.leftovers(driver, shm=False)
+        assert not processes, f"processes left after {isolated.GRACE} s: {processes}"
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
+def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks, kind):
+    # A Queue pickles in its feeder thread; a SimpleQueue in each sending
+    # thread, so there eight reducers run at once.
+    bases = fault_children.thread_bases()
+    originals = [b.copy() for b in bases]
+    shared = torchshm.share(np.arange(50_000, dtype=np.float32))
+    inbox, outbox = getattr(ctx, kind)(), ctx.Queue()
+    prefetchers, per_thread = 2, 20
+    receiver = ctx.Process(
+        target=fault_children.prefetch_receiver,
+        args=(inbox, outbox, shared, prefetchers),
+        daemon=True,
+    )
+    receiver.start()
+
+    def send(thread):
+        for j in range(per_thread):
+            views = fault_children.thread_views(bases, shared, thread, j)
+            inbox.put(((thread, j), views))
+
+    threads = [threading.Thread(target=send, args=(t,)) for t in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        for _ in range(prefetchers):
+            inbox.put(None)
+        result = outbox.get(timeout=TIMEOUT)
+    finally:
+        receiver.join(TIMEOUT)
+        if receiver.is_alive():
+            receiver.kill()
+            receiver.join(TIMEOUT)
+    assert receiver.exitcode == 0
+    assert result == {"received": 8 * per_thread, "bad": 0, "unshared": 0}
+    for base, original in zip(bases, originals):  # the receiver wrote to copies
+        np.testing.assert_array_equal(base, original)
+    for q in (inbox, outbox):
+        q.close()
+        if kind == "Queue" or q is outbox:
+            q.join_thread()
