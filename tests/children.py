@@ -7,7 +7,7 @@ import torchshm
 
 def echo(inbox, outbox):
     """Sends back whatever arrives, until None."""
-    for obj in iter(inbox.get, None):
+    while (obj := inbox.get()) is not None:
         outbox.put(obj)
 
 
