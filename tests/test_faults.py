@@ -27,12 +27,21 @@ def test_a_child_that_puts_and_returns(ctx, no_leaks, n):
     q.join_thread()
 
 
-def test_a_torch_shared_array_from_a_child_that_returns(ctx, no_leaks):
-    # torch's file_descriptor strategy would need the child alive to hand over
-    # the fd; torchshm snapshots such arrays instead.
+@pytest.fixture
+def file_descriptor_strategy():
     import torch.multiprocessing
 
-    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")  # the default
+    yield
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def test_a_torch_shared_array_from_a_child_that_returns(
+    ctx, file_descriptor_strategy, no_leaks
+):
+    # torch's file_descriptor strategy would need the child alive to hand over
+    # the fd (FileNotFoundError here); torchshm snapshots such arrays instead.
     q = ctx.Queue()
     p = ctx.Process(target=fault_children.put_tensor_view_and_return, args=(q, 10**6))
     p.start()
