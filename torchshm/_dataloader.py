@@ -1,0 +1,271 @@
+"""PyTorch DataLoader integration: worker registration and NumPy collation.
+
+Note [Registration in workers]
+A worker sends with the reducers of its own process. Under fork it inherits
+them; under spawn and forkserver it has them only if something it unpickles
+imports torchshm. `worker_init_fn` is that something: the DataLoader pickles
+it into every worker, unpickling it imports torchshm (which registers), and
+calling it registers again in case the import happened earlier with the
+reducers off.
+
+Note [One segment per batch]
+`np.stack` into fresh memory and then a send copies each batch twice: once
+to stack, once into shared memory at send time. `collate` plans every array
+of the batch first, allocates one segment for all of them, and stacks
+straight into it; the batch is then already shared memory and is sent by
+reference (`is_shared`), so a batch costs one copy and one segment.
+"""
+
+import collections.abc
+import os
+
+import numpy as np
+
+from torchshm import _config, _registry, _segments
+from torchshm._compat import load_native
+
+_C = load_native()
+
+# Every stacked array starts on a cache-line boundary of the batch segment.
+_ALIGN = 64
+BATCH_DIM = "batch"
+
+
+def _env_disabled():
+    return os.environ.get("TORCHSHM_DISABLE", "") in ("1", "true", "yes")
+
+
+def worker_init_fn(worker_id_or_fn):
+    """DataLoader `worker_init_fn` that registers torchshm's reducers.
+
+    Pass it as is, `DataLoader(..., worker_init_fn=torchshm.worker_init_fn)`,
+    or wrap your own function: `worker_init_fn=torchshm.worker_init_fn(fn)`
+    returns a picklable callable that registers, then calls `fn(worker_id)`.
+    See Note [Registration in workers].
+    """
+    if callable(worker_id_or_fn):
+        return ChainedWorkerInit(worker_id_or_fn)
+    _register_in_worker()
+    return None
+
+
+class ChainedWorkerInit:
+    """Registers torchshm, then calls the user's `fn(worker_id)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, worker_id):
+        _register_in_worker()
+        return self.fn(worker_id)
+
+    def __repr__(self):
+        return f"torchshm.worker_init_fn({self.fn!r})"
+
+
+def _register_in_worker():
+    if not _env_disabled():
+        _registry.register()
+
+
+def convert(sample):
+    """`collate_fn` for `batch_size=None`: the sample as it is.
+
+    The DataLoader's default converts NumPy arrays into tensors; this keeps
+    them ndarrays (sent through shared memory). A top-level function, unlike
+    a lambda, pickles under spawn and forkserver.
+    """
+    return sample
+
+
+def collate(batch):
+    """`collate_fn` that builds NumPy batches in one shared-memory segment.
+
+    Stacks the samples' ndarrays along a new first axis, also inside dicts,
+    tuples, lists and namedtuples (as `default_collate` does, without making
+    tensors). xarray DataArrays and Datasets get a leading "batch" dimension:
+    data variables are stacked, coordinates equal in every sample are kept
+    once and differing ones are stacked (`xarray.concat` with
+    `coords="different"`); dimension coordinates must agree across samples.
+    Python and NumPy scalars become 1-D arrays; other objects (strings,
+    DataFrames) are returned as a list. See Note [One segment per batch].
+    """
+    if not isinstance(batch, collections.abc.Sequence) or not len(batch):
+        raise TypeError(
+            "torchshm.collate expected a non-empty list of samples, got"
+            f" {type(batch).__name__}; with batch_size=None use"
+            " collate_fn=torchshm.convert"
+        )
+    jobs = []
+    build = _plan(list(batch), jobs)
+    return build(_stack_all(jobs))
+
+
+def _plan(samples, jobs):
+    """Records the stacks `samples` need in `jobs`; returns a function that
+    builds the batch from the stacked arrays (in the order of `jobs`)."""
+    first = samples[0]
+    if isinstance(first, np.ndarray) and not first.dtype.hasobject:
+        return _plan_stack(samples, jobs)
+    if isinstance(first, (bool, int, float, complex, np.generic)):
+        # Small: a plain array, pickled inline.
+        values = np.asarray(samples)
+        return lambda stacked: values
+    if _is_xarray(first):
+        return _plan_xarray(samples, jobs)
+    if isinstance(first, collections.abc.Mapping):
+        _check_same_keys(samples)
+        parts = {k: _plan([s[k] for s in samples], jobs) for k in first}
+        return lambda stacked: _rebuild_mapping(first, parts, stacked)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
+        parts = [_plan(list(f), jobs) for f in _transpose(samples)]
+        return lambda stacked: type(first)(*(p(stacked) for p in parts))
+    if isinstance(first, (tuple, list)):
+        parts = [_plan(list(f), jobs) for f in _transpose(samples)]
+        kind = type(first) if type(first) in (tuple, list) else list
+        return lambda stacked: kind(p(stacked) for p in parts)
+    return lambda stacked: list(samples)
+
+
+def _plan_stack(samples, jobs):
+    shape, dtype = samples[0].shape, samples[0].dtype
+    for s in samples:
+        if not isinstance(s, np.ndarray) or s.shape != shape:
+            raise ValueError(
+                "torchshm.collate expected arrays of one shape in a batch, got"
+                f" {shape} and {getattr(s, 'shape', type(s).__name__)}; pad or"
+                " crop samples to one shape, or batch them yourself"
+            )
+        if s.dtype != dtype:  # promote only on a mismatch: it makes byte order native
+            dtype = np.promote_types(dtype, s.dtype)
+    index = len(jobs)
+    jobs.append((samples, dtype))
+    return lambda stacked: stacked[index]
+
+
+def _stack_all(jobs):
+    """np.stack of every job, into one segment when the batch is big enough
+    to be shared (else into ordinary memory: it will be pickled inline)."""
+    layout, total = [], 0
+    for samples, dtype in jobs:
+        shape = (len(samples),) + samples[0].shape
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        layout.append((total, shape, nbytes))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    if total == 0 or total < _config.get_threshold() or not _registry.is_registered():
+        return [np.stack(s).astype(d, copy=False) for s, d in jobs]
+    owner = _segments.allocate(total)
+    stacked = []
+    for (samples, dtype), (offset, shape, _) in zip(jobs, layout):
+        strides = _c_strides(shape, dtype.itemsize)
+        out = _C.wrap_ndarray(owner, offset, dtype, shape, strides, True)
+        np.stack(samples, out=out, casting="same_kind")
+        stacked.append(out)
+    return stacked
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _transpose(samples):
+    lengths = {len(s) for s in samples}
+    if len(lengths) != 1:
+        raise ValueError(
+            "torchshm.collate expected sequences of one length in a batch, got"
+            f" lengths {sorted(lengths)}"
+        )
+    return zip(*samples)
+
+
+def _check_same_keys(samples):
+    keys = set(samples[0])
+    for s in samples[1:]:
+        if set(s) != keys:
+            raise ValueError(
+                "torchshm.collate expected mappings with the same keys in a"
+                f" batch, got {sorted(map(str, keys))} and {sorted(map(str, s))}"
+            )
+
+
+def _rebuild_mapping(first, parts, stacked):
+    values = {k: p(stacked) for k, p in parts.items()}
+    try:
+        return type(first)(values)
+    except TypeError:  # a Mapping that cannot be built from a dict
+        return values
+
+
+def _is_xarray(obj):
+    # Without importing xarray: torchshm does not depend on it.
+    return type(obj).__module__.startswith("xarray.") and type(obj).__name__ in (
+        "DataArray",
+        "Dataset",
+    )
+
+
+def _plan_xarray(samples, jobs):
+    import xarray as xr
+
+    is_array = isinstance(samples[0], xr.DataArray)
+    datasets = [_as_dataset(s) if is_array else s for s in samples]
+    names = list(datasets[0].data_vars)
+    parts = {
+        name: _plan_stack([np.asarray(d[name].variable.values) for d in datasets], jobs)
+        for name in names
+    }
+    # Coordinates are small: xarray's own concat gives them its usual meaning.
+    # join="exact": the default outer join would pad every sample with NaN to
+    # the union of their labels, and "override" would relabel them silently.
+    try:
+        coords = xr.concat(
+            [d.drop_vars(names) for d in datasets],
+            dim=BATCH_DIM,
+            coords="different",
+            compat="equals",
+            join="exact",
+            combine_attrs="override",
+        )
+    except ValueError as exc:
+        raise ValueError(
+            "torchshm.collate expected xarray samples with equal dimension"
+            f" coordinates in a batch ({exc}); drop or rename the coordinates"
+            " that differ (ds.drop_vars(name)), or use batch_size=None"
+        ) from exc
+
+    def build(stacked):
+        first = datasets[0]
+        result = coords.assign(
+            {
+                name: (
+                    (BATCH_DIM,) + first[name].dims,
+                    part(stacked),
+                    first[name].attrs,
+                )
+                for name, part in parts.items()
+            }
+        )
+        for name in names:
+            result[name].encoding = dict(first[name].encoding)
+        return _from_dataset(result, samples[0]) if is_array else result
+
+    return build
+
+
+# A DataArray travels as a one-variable Dataset under this name.
+_DATA = "__torchshm_data__"
+
+
+def _as_dataset(array):
+    return array.to_dataset(name=_DATA, promote_attrs=True)
+
+
+def _from_dataset(dataset, template):
+    result = dataset[_DATA]
+    result.name = template.name
+    result.attrs = dict(template.attrs)
+    return result
