@@ -1,0 +1,218 @@
+"""PyTorch DataLoader workers under fork, spawn and forkserver: NumPy, pandas
+and xarray samples arrive equal and in shared memory, unbatched and batched
+with torchshm.collate (one segment per batch)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+from torch.utils.data import DataLoader
+
+import torchshm
+from tests import integration_children as ic
+from tests.conftest import TIMEOUT
+from tests.test_pandas_xarray import assert_all_shared
+
+
+def load(ctx, dataset, **kwargs):
+    loader = DataLoader(
+        dataset,
+        num_workers=2,
+        multiprocessing_context=ctx,
+        timeout=TIMEOUT,
+        worker_init_fn=torchshm.worker_init_fn,
+        **kwargs,
+    )
+    return list(loader)
+
+
+def assert_equal(got, sent):
+    """Equal, of the same types, all the way down."""
+    assert type(got) is type(sent)
+    if isinstance(sent, np.ndarray):
+        np.testing.assert_array_equal(got, sent)
+        assert got.dtype == sent.dtype
+    elif isinstance(sent, pd.DataFrame):
+        pd.testing.assert_frame_equal(got, sent)
+    elif isinstance(sent, (xr.Dataset, xr.DataArray)):
+        xr.testing.assert_identical(got, sent)
+    elif isinstance(sent, dict):
+        assert got.keys() == sent.keys()
+        for k in sent:
+            assert_equal(got[k], sent[k])
+    elif isinstance(sent, (tuple, list)):
+        assert len(got) == len(sent)
+        for g, s in zip(got, sent):
+            assert_equal(g, s)
+    else:
+        assert got == sent
+
+
+def test_unbatched_samples_arrive_equal_and_shared(ctx, no_leaks):
+    dataset = ic.SampleDataset("mixed", n=len(ic.KINDS))
+    received = load(ctx, dataset, batch_size=None, collate_fn=torchshm.convert)
+    assert len(received) == len(ic.KINDS)
+    for i, got in enumerate(received):
+        assert_all_shared(got)
+        assert_equal(got, dataset[i])
+
+
+def test_batches_are_stacked_into_one_segment(ctx, no_leaks):
+    dataset = ic.SampleDataset("all", n=5)
+    batches = load(ctx, dataset, batch_size=2, collate_fn=torchshm.collate)
+    assert [len(b["frame"]) for b in batches] == [2, 2, 1]
+    for start, batch in zip((0, 2, 4), batches):
+        samples = [dataset[i] for i in range(start, min(start + 2, 5))]
+        assert_all_shared(batch)
+        assert_equal(batch, torchshm.collate(samples))
+        nested = batch["nested"]
+        np.testing.assert_array_equal(
+            nested["pair"].image, np.stack([s["nested"]["pair"].image for s in samples])
+        )
+        assert nested["pair"].label.tolist() == list(range(start, start + len(samples)))
+        # Frames have no batch form: a list of them.
+        assert_equal(batch["frame"], [s["frame"] for s in samples])
+        # xarray: what xarray.concat makes, with the batch dimension first.
+        for kind in ("dataset", "dataarray"):
+            expected = xr.concat(
+                [s[kind] for s in samples], "batch", coords="different"
+            )
+            xr.testing.assert_identical(batch[kind], expected.transpose("batch", ...))
+        # One segment holds the batch's stacked arrays: they have one owner.
+        stacked = [
+            batch["array"],
+            nested["pair"].image,
+            nested["boxes"][0],
+            batch["dataset"]["t2m"].values,
+            batch["dataarray"].values,
+        ]
+        assert len({id(a.base) for a in stacked}) == 1
+
+
+def test_collate_stacks_into_shared_memory_in_process():
+    samples = [ic.make_sample("nested", i) for i in range(3)]
+    batch = torchshm.collate(samples)
+    assert isinstance(batch["pair"], ic.Pair)
+    assert batch["pair"].image.shape == (3, 3, 8, 8)
+    assert batch["boxes"][0].dtype == np.dtype(">f8")
+    assert batch["name"] == ["sample0", "sample1", "sample2"]
+    assert torchshm.is_shared(batch["pair"].image)
+    assert batch["pair"].image.base is batch["boxes"][1].base
+    with pytest.raises(ValueError, match="one shape"):
+        torchshm.collate([np.zeros(3), np.zeros(4)])
+    with pytest.raises(TypeError, match="torchshm.convert"):
+        torchshm.collate(np.zeros(3))
+    shifted = [ic.make_dataset(0), ic.make_dataset(0).shift(time=1)]
+    with pytest.raises(ValueError, match="equal dimension coordinates"):
+        torchshm.collate(
+            [s.assign_coords(time=s.time + i) for i, s in enumerate(shifted)]
+        )
+
+
+def test_collate_below_the_threshold_uses_ordinary_memory():
+    old = torchshm.get_threshold()
+    torchshm.set_threshold(1 << 20)
+    try:
+        batch = torchshm.collate([np.ones(10), np.zeros(10)])
+    finally:
+        torchshm.set_threshold(old)
+    assert not torchshm.is_shared(batch)
+    np.testing.assert_array_equal(batch, [np.ones(10), np.zeros(10)])
+
+
+def test_worker_init_fn_chains_the_users_function():
+    calls = []
+    init = torchshm.worker_init_fn(calls.append)
+    torchshm.unregister()
+    try:
+        init(3)
+        assert torchshm.is_registered()
+    finally:
+        torchshm.register()
+    assert calls == [3]
+    assert torchshm.worker_init_fn(0) is None
+
+
+# A user's script that imports torchshm only inside main(): spawn and
+# forkserver workers import the main module, not torchshm.
+SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, os, sys
+    import numpy as np, pandas as pd
+    from torch.utils.data import DataLoader
+
+
+    class Frames:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            mod = sys.modules.get("torchshm")
+            return {
+                "frame": pd.DataFrame({"x": np.arange(1000.0) + i}),
+                "registered": bool(mod and mod.is_registered()),
+                "init": os.environ.get("USER_INIT"),
+            }
+
+
+    def user_init(worker_id):
+        os.environ["USER_INIT"] = str(worker_id)
+
+
+    def main(method, mode):
+        import torchshm
+
+        kwargs = {}
+        if mode == "worker_init_fn":
+            kwargs["worker_init_fn"] = torchshm.worker_init_fn(user_init)
+        elif mode == "preload":
+            multiprocessing.set_forkserver_preload(["torchshm"])
+        loader = DataLoader(Frames(), batch_size=None, num_workers=2,
+                            multiprocessing_context=method, timeout=60, **kwargs)
+        out = []
+        for i, s in enumerate(loader):
+            assert (s["frame"]["x"].values == np.arange(1000.0) + i).all()
+            shared = torchshm.is_shared(s["frame"]["x"].values)
+            out.append([s["registered"], s["init"], shared])
+        print(json.dumps(out))
+
+
+    if __name__ == "__main__":
+        main(*sys.argv[1:])
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "method, mode, expected",
+    [
+        ("spawn", "worker_init_fn", True),
+        ("forkserver", "worker_init_fn", True),
+        ("forkserver", "preload", True),
+        # The control: without either, spawn workers send by value.
+        ("spawn", "plain", False),
+    ],
+)
+def test_workers_register_when_main_imports_torchshm_late(
+    tmp_path, no_leaks, method, mode, expected
+):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), method, mode],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    samples = json.loads(run.stdout)
+    assert len(samples) == 4
+    for registered, init, shared in samples:
+        assert registered is expected and shared is expected
+        assert (init is not None) == (mode == "worker_init_fn")
