@@ -250,7 +250,13 @@ class Sender:
     def _recv(self):
         if not self.conn.poll(TIMEOUT):
             raise TimeoutError(f"{self.method} sender sent nothing in {TIMEOUT} s")
-        message = self.conn.recv()
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"the {self.method} sender died (exit code {self.process.exitcode})"
+            ) from None
         if isinstance(message, BaseException):
             raise RuntimeError(f"{self.method} sender failed") from message
         return message

@@ -14,7 +14,7 @@ from benchmarks.transports import METHODS, sender
 NAME = "per_item"
 KIB, MIB = 1 << 10, 1 << 20
 FULL_SIZES = [
-    *(KIB * k for k in (1, 4, 16, 32, 64, 128, 256, 512)),
+    *(KIB * k for k in (1, 4, 16, 32, 64, 128, 256, 512, 768)),
     *(MIB * m for m in (1, 4, 16, 64, 256, 512)),
 ]
 QUICK_SIZES = [KIB * k for k in (1, 16, 64, 128, 256)] + [MIB * m for m in (1, 16)]
