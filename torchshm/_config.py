@@ -2,8 +2,8 @@
 
 Note [Default threshold]
 Sharing costs a fixed ~0.1 ms per segment (create, map, unlink, page faults);
-pickling costs ~0.5 ms per MiB through a pipe. benchmarks/bench_core.py
-measures the per-item crossover; on the 2-core reference machine it sits
+pickling costs ~0.5 ms per MiB through a pipe. `python -m benchmarks
+--only per_item` measures the per-item crossover; on the 2-core reference machine it sits
 between 64 and 128 KiB, so 128 KiB keeps torchshm never slower than pickling.
 """
 
@@ -46,9 +46,13 @@ def set_threshold(nbytes):
     _threshold = value
 
 
+# os.cpu_count() reads /sys (~13 us): computed once, not per array.
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
 def copy_threads():
     """Threads that split one large copy into shared memory."""
-    return max(1, min(4, os.cpu_count() or 1))
+    return _COPY_THREADS
 
 
 def _dev_shm_bytes():

@@ -8,6 +8,7 @@ for pool_idle_seconds() are released. Only policy lives here: the caller
 (_segments.py) holds the lock and does the mapping.
 """
 
+import collections
 import time
 
 from torchshm import _config
@@ -29,26 +30,32 @@ def _idle(segment):
     return segment.local_views == 0 and segment.refcount == 1
 
 
+# Expired segments are looked for at most this often: the scan is O(pool) and
+# must stay off the per-message path.
+_EXPIRY_SCAN_SECONDS = 1.0
+
+
 class Pool:
     def __init__(self):
         self.segments = {}  # name -> [Segment, last use]
+        self.by_class = collections.defaultdict(list)  # capacity -> [entry]
         self.nbytes = 0
+        self._next_expiry_scan = 0.0
 
     def take(self, nbytes):
         """An idle pooled segment that fits nbytes without much waste, or None."""
         now = time.monotonic()
-        self._release_expired(now)
-        limit = size_class(nbytes) + size_class(nbytes) // 4
-        best = None
-        for entry in self.segments.values():
-            segment = entry[0]
-            if nbytes <= segment.capacity <= limit and _idle(segment):
-                if best is None or segment.capacity < best[0].capacity:
-                    best = entry
-        if best is None:
-            return None
-        best[1] = now
-        return best[0]
+        if now >= self._next_expiry_scan:
+            self._next_expiry_scan = now + _EXPIRY_SCAN_SECONDS
+            self.release_idle(older_than=_config.pool_idle_seconds())
+        wanted = size_class(nbytes)
+        # The fitting classes: this one, then slightly larger (<= 25% waste).
+        for capacity in sorted(c for c in self.by_class if wanted <= c <= wanted * 1.25):
+            for entry in self.by_class[capacity]:
+                if _idle(entry[0]):
+                    entry[1] = now
+                    return entry[0]
+        return None
 
     def admit(self, segment):
         """Keeps a new segment (and its creator reference) if under the cap."""
@@ -57,7 +64,9 @@ class Pool:
             self.release_idle()
             if self.nbytes + segment.capacity > cap:
                 return False
-        self.segments[segment.name] = [segment, time.monotonic()]
+        entry = [segment, time.monotonic()]
+        self.segments[segment.name] = entry
+        self.by_class[segment.capacity].append(entry)
         self.nbytes += segment.capacity
         return True
 
@@ -82,14 +91,16 @@ class Pool:
         """Forgets every segment without releasing (a forked child: the
         references belong to the parent's pool)."""
         self.segments.clear()
+        self.by_class.clear()
         self.nbytes = 0
 
-    def _release_expired(self, now):
-        if self.segments:
-            self.release_idle(older_than=_config.pool_idle_seconds())
-
     def _drop(self, name):
-        segment, _ = self.segments.pop(name)
+        entry = self.segments.pop(name)
+        segment = entry[0]
+        siblings = self.by_class[segment.capacity]
+        siblings.remove(entry)
+        if not siblings:
+            del self.by_class[segment.capacity]
         self.nbytes -= segment.capacity
         segment.release()
         return segment.capacity

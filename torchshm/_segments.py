@@ -11,6 +11,7 @@ import collections
 import itertools
 import os
 import threading
+import time
 import weakref
 from multiprocessing import util
 
@@ -136,12 +137,19 @@ def _take_idle_mapping(name):
     return segment
 
 
+_next_dead_scan = 0.0
+
+
 def _drop_idle_mappings(limit):
-    """Unmaps idle mappings, oldest first, down to `limit` bytes; a mapping
-    whose segment was freed goes first (it pins memory nobody can name)."""
-    global _idle_bytes
-    for name in [n for n, s in _idle_mappings.items() if s.refcount == 0]:
-        _idle_bytes -= _idle_mappings.pop(name).capacity
+    """Unmaps idle mappings, oldest first, down to `limit` bytes. About once a
+    second, mappings of segments that their senders freed go too (they pin
+    memory nobody can name any more); the scan is O(cache), so not per call."""
+    global _idle_bytes, _next_dead_scan
+    now = time.monotonic()
+    if limit == 0 or now >= _next_dead_scan:
+        _next_dead_scan = now + 1.0
+        for name in [n for n, s in _idle_mappings.items() if s.refcount == 0]:
+            _idle_bytes -= _idle_mappings.pop(name).capacity
     while _idle_bytes > limit and _idle_mappings:
         _idle_bytes -= _idle_mappings.popitem(last=False)[1].capacity
 

@@ -25,6 +25,13 @@ def add(name, n=1):
         _counts[name] += n
 
 
+def add_shared(nbytes):
+    """One array copied into shared memory (one lock, on the hot path)."""
+    with _lock:
+        _counts["arrays_shared"] += 1
+        _counts["bytes_copied"] += nbytes
+
+
 def fallback(reason):
     with _lock:
         _fallbacks[reason] += 1
