@@ -115,3 +115,20 @@ def test_every_size_class_round_trips(nbytes):
         np.testing.assert_array_equal(received, a)
         del received
         gc.collect()
+
+
+def test_small_arrays_inline_until_the_message_carries_a_threshold_of_them():
+    old = torchshm.get_threshold()
+    torchshm.set_threshold(256 << 10)
+    try:
+        arrays = [np.full(8192, i, dtype=np.float64) for i in range(100)]  # 64 KiB
+        received = roundtrip(arrays)
+        inline = [not torchshm.is_shared(r) for r in received]
+        assert inline == [True] * 4 + [False] * 96
+        assert all((r == i).all() for i, r in enumerate(received))
+        single = roundtrip(arrays[0])  # alone, a small array stays inline
+        assert not torchshm.is_shared(single)
+        tiny = roundtrip([np.zeros(100)] * 1000)  # under PACK_MIN: always inline
+        assert not any(torchshm.is_shared(t) for t in tiny)
+    finally:
+        torchshm.set_threshold(old)
