@@ -172,13 +172,13 @@ class Model:
 
 
 _model = None
-_barrier = None
+_arrived = _go = None
 
 
-def init_model(model, barrier=None):
-    """Pool initializer: keeps the model (and a barrier) for the tasks."""
-    global _model, _barrier
-    _model, _barrier = model, barrier
+def init_model(model, arrived=None, go=None):
+    """Pool initializer: keeps the model (and the PSS handshake) for the tasks."""
+    global _model, _arrived, _go
+    _model, _arrived, _go = model, arrived, go
 
 
 def score_user(user):
@@ -188,24 +188,22 @@ def score_user(user):
 
 def score_with(model, user):
     """A task that receives the model with every call."""
-    return (
-        model.score(user),
-        model.item_features,
-        torchshm.is_shared(model.item_features),
-    )
+    shared = torchshm.is_shared(model.item_features)
+    return model.score(user), model.item_features, shared
 
 
 def pss_kib():
-    """This process's proportional set size in KiB, once every worker of the
-    pool is inside a task (so each worker measures once, all alive)."""
+    """This process's proportional set size in KiB, measured once every worker
+    holds the model (the parent releases `_go` when all have arrived)."""
     _model.item_features.sum(), _model.user_features.sum()  # touch every page
-    _barrier.wait(60)
+    _arrived.release()
+    if not _go.acquire(timeout=60):
+        raise TimeoutError("the parent never released the workers")
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             if line.startswith("Pss:"):
-                pss = int(line.split()[1])
-    _barrier.wait(60)  # nobody exits or unmaps before all have measured
-    return os.getpid(), pss
+                return os.getpid(), int(line.split()[1])
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
 def make_result(i):
