@@ -104,6 +104,17 @@ def make_sample(kind, i):
     raise ValueError(f"unknown sample kind {kind!r}")
 
 
+def sample_index(sample):
+    """The `i` that make_sample("mixed", i) was called with."""
+    if isinstance(sample, np.ndarray):
+        return int(sample.flat[0])
+    if isinstance(sample, dict):
+        return int(sample["pair"].label)
+    if isinstance(sample, pd.DataFrame):
+        return int(sample["obj"].iloc[0][1:])
+    return int(sample.coords["sample"])
+
+
 class SampleDataset:
     """A map-style dataset of `n` samples of `kind`."""
 
