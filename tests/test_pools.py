@@ -2,6 +2,7 @@
 from workers that exit right after returning them."""
 
 import concurrent.futures
+import multiprocessing as mp
 import sys
 
 import numpy as np
@@ -57,32 +58,41 @@ def test_a_shared_model_is_sent_with_every_task_without_a_copy(ctx, no_leaks):
         assert np.shares_memory(item_features, model.item_features)
 
 
-def worker_pss(ctx, model):
-    """The summed PSS of a pool's workers, each holding `model`. (Semaphores:
-    a Barrier would keep a heap fd open in this process for good.)"""
+def pss_bytes():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+
+
+def total_pss(ctx, model):
+    """The summed PSS of this process and a pool's workers, each holding
+    `model`. (Semaphores: a Barrier keeps a heap fd open here for good.)"""
     arrived, go = ctx.Semaphore(0), ctx.Semaphore(0)
     with executor(ctx, initializer=ic.init_model, initargs=(model, arrived, go)) as ex:
         futures = [ex.submit(ic.pss_kib) for _ in range(WORKERS)]
         for _ in range(WORKERS):  # every worker is alive, in a task, with the model
             assert arrived.acquire(timeout=TIMEOUT)
+        parent = pss_bytes()
         for _ in range(WORKERS):
             go.release()
-        measured = dict(f.result(TIMEOUT) for f in futures)
-    assert len(measured) == WORKERS  # each worker measured itself once
-    return sum(measured.values()) * 1024
+        workers = dict(f.result(TIMEOUT) for f in futures)
+    assert len(workers) == WORKERS  # each worker measured itself once
+    return parent + sum(workers.values()) * 1024
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_the_model_exists_once_however_many_workers(method, no_leaks):
+def test_a_shared_model_exists_once_however_many_workers(method, no_leaks):
     # Under fork, copy-on-write shares the pages with or without torchshm.
-    import multiprocessing as mp
-
     ctx = mp.get_context(method)
     model = ic.Model(items=60_000, users=100, features=128)  # 30 MiB
     with torchshm.disabled():
-        plain = worker_pss(ctx, model)
-    shared = worker_pss(ctx, model)
-    # Pickled, every worker holds a copy; shared, they split one.
+        plain = total_pss(ctx, model)
+    # Each worker's start is its own message, so an array not yet in shared
+    # memory would be snapshotted once per worker: share() it once first.
+    shared = total_pss(ctx, torchshm.share(model))
+    # Pickled, every worker holds a copy; shared, all map one segment.
     saved = plain - shared
     assert saved > 0.5 * (WORKERS - 1) * model.nbytes, (plain, shared)
 
