@@ -56,8 +56,19 @@ def test_a_torch_shared_array_from_a_child_that_returns(
 
 
 def test_pool_workers_that_exit_after_each_task(ctx, no_leaks):
-    with ctx.Pool(2, maxtasksperchild=1) as pool:
-        results = pool.map(fault_children.pool_array, range(4), chunksize=1)
+    pool = ctx.Pool(2, maxtasksperchild=1)
+    try:
+        results = pool.map_async(fault_children.pool_array, range(4), chunksize=1).get(
+            TIMEOUT
+        )
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        # Not `with Pool`: its terminate() SIGTERMs workers that may still be
+        # exiting, and their pooled segments then live until the session ends.
+        pool.close()
+        pool.join()
     for seed, got in enumerate(results):
         np.testing.assert_array_equal(got, fault_children.pool_array(seed))
         assert torchshm.is_shared(got)
