@@ -62,8 +62,10 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
     TORCH_CHECK(false, "torchshm: cannot reserve ", total, " bytes for ",
                 name, " in /dev/shm: ", errno_text(err));
   }
-  void* base =
-      ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // The sender writes every page next: one bulk populate is cheaper than a
+  // page fault per 4 KiB (measured: benchmarks, fresh 400 MB sends).
+  void* base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) {
     err = errno;
     ::shm_unlink(name.c_str());

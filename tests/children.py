@@ -60,3 +60,8 @@ def hold_inherited(inbox, outbox, inherited):
     """A fork child keeps an inherited array while the parent reuses its pool."""
     inbox.get()  # the parent has dropped its copy and churned its pool
     outbox.put(bool((inherited == 3).all()))
+
+
+def make_array(n):
+    """A Pool task: a fresh array, sent back through the worker's pool."""
+    return np.full(n, 5.0)

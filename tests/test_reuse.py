@@ -132,3 +132,12 @@ def test_small_arrays_inline_until_the_message_carries_a_threshold_of_them():
         assert not any(torchshm.is_shared(t) for t in tiny)
     finally:
         torchshm.set_threshold(old)
+
+
+def test_terminated_pool_workers_leave_no_segments(ctx, no_leaks):
+    # `with Pool(...)` ends its live workers with SIGTERM (Pool.terminate()),
+    # while their pools still hold the segments their results went out in.
+    with ctx.Pool(2) as pool:
+        results = pool.map(children.make_array, [200_000] * 4, chunksize=1)
+        assert all((r == 5.0).all() for r in results)
+        del results

@@ -9,7 +9,9 @@ lifetime] in csrc/segment.h for the reference-count protocol.
 
 import collections
 import itertools
+import multiprocessing
 import os
+import signal
 import threading
 import time
 import weakref
@@ -194,6 +196,26 @@ def _at_exit():
     # Below Queue's feeder-join finalizer (priority -5): pending messages are
     # pickled (and may take references) before ours are dropped.
     util.Finalize(None, disown_all, exitpriority=-100)
+    if multiprocessing.parent_process() is not None:
+        _release_on_sigterm()
+
+
+def _release_on_sigterm():
+    """Pool.terminate() (and `with Pool(...)`) ends workers with SIGTERM,
+    which skips exit finalizers: release the references, then die as before.
+    Only where SIGTERM still has its default action (the application may
+    handle it), and only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def release_and_die(signum, frame):
+        disown_all()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, release_and_die)
 
 
 class _Token:
