@@ -31,8 +31,7 @@ std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
 // Below this, one thread copies: starting threads costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 8 << 20;
 
-void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n,
-                     int threads) {
+void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
   const int64_t useful = std::max<int64_t>(1, n / kMinBytesPerThread);
   const int64_t workers = std::min<int64_t>(std::max(threads, 1), useful);
   if (workers == 1) {
@@ -57,8 +56,7 @@ std::pair<int64_t, int64_t> byte_extent(py::handle array) {
   PyArrayObject* arr = as_ndarray(array);
   const int nd = PyArray_NDIM(arr);
   std::vector<int64_t> shape(PyArray_DIMS(arr), PyArray_DIMS(arr) + nd);
-  std::vector<int64_t> strides(PyArray_STRIDES(arr),
-                               PyArray_STRIDES(arr) + nd);
+  std::vector<int64_t> strides(PyArray_STRIDES(arr), PyArray_STRIDES(arr) + nd);
   return extent_of(PyArray_ITEMSIZE(arr), shape, strides);
 }
 
@@ -72,8 +70,8 @@ void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
   const int64_t n = hi - lo;
   TORCH_CHECK(dest.is_contiguous() && dest.scalar_type() == at::kChar,
               "expected a contiguous int8 tensor as destination");
-  TORCH_CHECK(dest_offset >= 0 && dest_offset + n <= dest.numel(),
-              "copy of ", n, " bytes at offset ", dest_offset,
+  TORCH_CHECK(dest_offset >= 0 && dest_offset + n <= dest.numel(), "copy of ",
+              n, " bytes at offset ", dest_offset,
               " overflows a destination of ", dest.numel(), " bytes");
   const auto* src =
       static_cast<const uint8_t*>(PyArray_DATA(as_ndarray(array))) + lo;

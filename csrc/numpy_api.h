@@ -1,6 +1,6 @@
 // The one place that includes the NumPy C API. Every translation unit that
-// uses NumPy includes this header; only module.cpp defines TORCHSHM_IMPORT_ARRAY
-// and so owns the API table that import_array() fills.
+// uses NumPy includes this header; only module.cpp defines
+// TORCHSHM_IMPORT_ARRAY and so owns the API table that import_array() fills.
 #pragma once
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION

@@ -59,8 +59,8 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
   int err = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
   if (err != 0) {
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "torchshm: cannot reserve ", total, " bytes for ",
-                name, " in /dev/shm: ", errno_text(err));
+    TORCH_CHECK(false, "torchshm: cannot reserve ", total, " bytes for ", name,
+                " in /dev/shm: ", errno_text(err));
   }
   // The sender writes every page next: one bulk populate is cheaper than a
   // page fault per 4 KiB (measured: benchmarks, fresh 400 MB sends).
@@ -69,8 +69,8 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
   if (base == MAP_FAILED) {
     err = errno;
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "torchshm: mmap of ", total, " bytes failed: ",
-                errno_text(err));
+    TORCH_CHECK(false, "torchshm: mmap of ", total,
+                " bytes failed: ", errno_text(err));
   }
   Header* header = header_of(base);
   new (&header->refcount) std::atomic<int64_t>(1);
@@ -81,8 +81,8 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
 
 std::shared_ptr<Segment> Segment::attach(const std::string& name) {
   int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "torchshm: shared-memory segment ", name,
-              " is gone (", errno_text(errno),
+  TORCH_CHECK(fd >= 0, "torchshm: shared-memory segment ", name, " is gone (",
+              errno_text(errno),
               "); its session ended, or the message was delivered twice");
   FdCloser closer{fd};
   struct stat st;
@@ -93,8 +93,8 @@ std::shared_ptr<Segment> Segment::attach(const std::string& name) {
               " is truncated: ", total, " bytes");
   void* base =
       ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  TORCH_CHECK(base != MAP_FAILED, "torchshm: mmap of ", name, " failed: ",
-              errno_text(errno));
+  TORCH_CHECK(base != MAP_FAILED, "torchshm: mmap of ", name,
+              " failed: ", errno_text(errno));
   Header* header = header_of(base);
   if (header->magic != kMagic ||
       header->capacity + kHeaderBytes != static_cast<int64_t>(total)) {
@@ -126,9 +126,7 @@ uint8_t* Segment::data() const {
   return static_cast<uint8_t*>(base_) + kHeaderBytes;
 }
 
-int64_t Segment::refcount() const {
-  return header_of(base_)->refcount.load();
-}
+int64_t Segment::refcount() const { return header_of(base_)->refcount.load(); }
 
 View::View(std::shared_ptr<Segment> seg, bool owns_reference)
     : segment(std::move(seg)), ref_pid(owns_reference ? ::getpid() : 0) {

@@ -55,8 +55,7 @@ class Segment {
 
  private:
   friend struct View;
-  Segment(std::string name, void* base, size_t mapped_bytes,
-          int64_t capacity);
+  Segment(std::string name, void* base, size_t mapped_bytes, int64_t capacity);
 
   std::string name_;
   void* base_;

@@ -19,9 +19,7 @@ DTYPES = {
     "bytes_S7": np.dtype("S7"),
     "unicode_U5": np.dtype("<U5"),
     "void_V12": np.dtype("V12"),
-    "structured_padded": np.dtype(
-        [("a", "u1"), ("b", "<f8"), ("c", "S3")], align=True
-    ),
+    "structured_padded": np.dtype([("a", "u1"), ("b", "<f8"), ("c", "S3")], align=True),
     "structured_subarray": np.dtype([("x", ">i2", (2, 3)), ("y", "<f4")]),
 }
 

@@ -1,4 +1,4 @@
-"""Child-process targets, at module top level so spawn and forkserver can import them."""
+"""Child-process targets, at module top level: spawn and forkserver import them."""
 
 import numpy as np
 

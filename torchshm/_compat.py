@@ -51,7 +51,9 @@ def load_native():
     built = {"torch": _C.built_with_torch, "numpy": _C.built_with_numpy}
     if _major_minor(built["torch"]) != TORCH_VERSION or (
         # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
-        _major_minor(built["numpy"])[0] < 2 <= NUMPY_VERSION[0]
+        _major_minor(built["numpy"])[0]
+        < 2
+        <= NUMPY_VERSION[0]
     ):
         raise ImportError(_mismatch_message(built))
     return _C

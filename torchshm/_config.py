@@ -2,9 +2,10 @@
 
 Note [Default threshold]
 Sharing costs a fixed ~0.1 ms per segment (create, map, unlink, page faults);
-pickling costs ~0.5 ms per MiB through a pipe. `python -m benchmarks
---only per_item` measures the per-item crossover; on the 2-core reference machine it sits
-between 64 and 128 KiB, so 128 KiB keeps torchshm never slower than pickling.
+pickling costs ~0.5 ms per MiB through a pipe.
+`python -m benchmarks --only per_item` measures the per-item crossover; on the
+2-core reference machine it sits between 64 and 128 KiB, so 128 KiB keeps
+torchshm never slower than pickling.
 """
 
 import os

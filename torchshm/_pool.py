@@ -50,7 +50,9 @@ class Pool:
             self.release_idle(older_than=_config.pool_idle_seconds())
         wanted = size_class(nbytes)
         # The fitting classes: this one, then slightly larger (<= 25% waste).
-        for capacity in sorted(c for c in self.by_class if wanted <= c <= wanted * 1.25):
+        for capacity in sorted(
+            c for c in self.by_class if wanted <= c <= wanted * 1.25
+        ):
             for entry in self.by_class[capacity]:
                 if _idle(entry[0]):
                     entry[1] = now
