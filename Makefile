@@ -46,12 +46,12 @@ bench: build
 
 lint: deps
 	$(call apt_install,$(LINT_DEBS))
-	black --check --quiet torchshm tests benchmarks setup.py
-	flake8 torchshm tests benchmarks setup.py
+	black --check --quiet torchshm tests benchmarks scripts setup.py
+	flake8 torchshm tests benchmarks scripts setup.py
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:
-	black -q torchshm tests benchmarks setup.py
+	black -q torchshm tests benchmarks scripts setup.py
 	clang-format -i csrc/*.cpp csrc/*.h
 
 clean:
