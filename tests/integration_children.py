@@ -204,17 +204,32 @@ def score_with(model, user):
 
 
 def pss_kib():
-    """This process's proportional set size in KiB, measured once every worker
-    holds the model (the parent releases `_go` when all have arrived)."""
+    """(pid, this process's PSS, the PSS of the mapping holding the model's
+    item_features) in KiB, measured once every worker holds the model (the
+    parent releases `_go` when all have arrived)."""
     _model.item_features.sum(), _model.user_features.sum()  # touch every page
     _arrived.release()
     if not _go.acquire(timeout=60):
         raise TimeoutError("the parent never released the workers")
-    with open("/proc/self/smaps_rollup") as f:
+    return (os.getpid(),) + smaps_pss_kib(_model.item_features)
+
+
+def smaps_pss_kib(array):
+    """(total PSS, PSS of the mapping that holds `array`'s data) in KiB."""
+    address = array.__array_interface__["data"][0]
+    total = mapping = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return os.getpid(), int(line.split()[1])
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif head == "Pss:":
+                kib = int(line.split()[1])
+                total += kib
+                mapping += kib if inside else 0
+    return total, mapping
 
 
 def make_result(i):

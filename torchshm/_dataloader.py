@@ -18,6 +18,7 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 
 import collections.abc
 import os
+import warnings
 
 import numpy as np
 
@@ -152,9 +153,14 @@ def _stack_all(jobs):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         layout.append((total, shape, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    if total == 0 or total < _config.get_threshold() or not _registry.is_registered():
+    owner = None
+    if total and total >= _config.get_threshold() and _registry.is_registered():
+        try:
+            owner = _segments.allocate(total)
+        except RuntimeError as exc:  # /dev/shm full: a batch in plain memory
+            _warn_once(f"torchshm.collate: no shared memory for a batch ({exc})")
+    if owner is None:
         return [np.stack(s).astype(d, copy=False) for s, d in jobs]
-    owner = _segments.allocate(total)
     stacked = []
     for (samples, dtype), (offset, shape, _) in zip(jobs, layout):
         strides = _c_strides(shape, dtype.itemsize)
@@ -162,6 +168,16 @@ def _stack_all(jobs):
         np.stack(samples, out=out, casting="same_kind")
         stacked.append(out)
     return stacked
+
+
+_warned = False
+
+
+def _warn_once(message):
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message + "; stacking it in ordinary memory", RuntimeWarning)
 
 
 def _c_strides(shape, itemsize):
