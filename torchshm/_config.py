@@ -1,11 +1,13 @@
 """User-tunable policy: the size below which arrays are pickled inline.
 
 Note [Default threshold]
-Sharing costs a fixed ~0.1 ms per segment (create, map, unlink, page faults);
-pickling costs ~0.5 ms per MiB through a pipe.
-`python -m benchmarks --only per_item` measures the per-item crossover; on the
-2-core reference machine it sits between 64 and 128 KiB, so 128 KiB keeps
-torchshm never slower than pickling.
+Sharing has a fixed cost per message (a pooled segment, its name, a view on
+each side: ~0.1-0.2 ms through a Queue); pickling costs ~0.5 ms per MiB
+through a pipe. `python -m benchmarks --only per_item` measures both. On the
+2-core reference machine, sharing every array costs 2.8x pipe at 64 KiB,
+1.09x at 128 KiB and 0.83x at 256 KiB (benchmarks/README.md), so arrays from
+128 KiB up are shared. Below it, messages with many arrays are still packed
+(see PACK_MIN in _reduction.py).
 """
 
 import os

@@ -123,7 +123,9 @@ class _Message:
         # Refs are held weakly: a cycle would keep the message alive past its
         # pickler, and a later message would reuse a stale snapshot.
         self.copies = {}
-        self.refs = weakref.WeakValueDictionary()  # segment name -> _SegmentRef
+        # segment name -> _SegmentRef, made on first use: a message of small
+        # inline arrays never needs one (and it costs microseconds to build).
+        self.refs = None
 
 
 def _place(message, nbytes):
@@ -187,6 +189,8 @@ def _ref_for(message, owner, name=None):
     """The message's reference to a segment, taking an in-flight reference
     the first time; None if the segment already died."""
     name = name or _segments.name_of(owner)
+    if message.refs is None:
+        message.refs = weakref.WeakValueDictionary()
     ref = message.refs.get(name)
     if ref is None:
         if not _segments.acquire(owner):
