@@ -1,6 +1,7 @@
 """Counters a user can read with torchshm.stats()."""
 
 import collections
+import os
 import threading
 
 _lock = threading.Lock()
@@ -49,3 +50,15 @@ def reset_stats():
     with _lock:
         _counts.clear()
         _fallbacks.clear()
+
+
+def _after_fork_in_child():
+    # Counters describe this process: a forked child starts from zero (and
+    # with a fresh lock, which another thread may have held at fork time).
+    global _lock
+    _lock = threading.Lock()
+    _counts.clear()
+    _fallbacks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
