@@ -113,9 +113,11 @@ def test_results_from_workers_that_exit_after_each_task(ctx, no_leaks):
 @pytest.mark.skipif(
     sys.version_info < (3, 11), reason="max_tasks_per_child is Python 3.11+"
 )
-def test_executor_results_from_workers_that_exit(ctx, no_leaks):
-    if ctx.get_start_method() == "fork":
-        pytest.skip("ProcessPoolExecutor refuses max_tasks_per_child with fork")
+# Not fork: ProcessPoolExecutor refuses max_tasks_per_child with it (the Pool
+# test above covers fork).
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_executor_results_from_workers_that_exit(method, no_leaks):
+    ctx = mp.get_context(method)
     with executor(ctx, max_tasks_per_child=1) as ex:
         results = list(ex.map(ic.make_result, range(3), timeout=TIMEOUT))
     check_results(results)
