@@ -2,18 +2,18 @@
 
 Note [Default threshold]
 Sharing has a fixed cost per message (a pooled segment, its name, a view on
-each side: ~0.1-0.2 ms through a Queue); pickling costs ~0.5 ms per MiB
-through a pipe. `python -m benchmarks --only per_item` measures both. On the
-2-core reference machine, sharing every array costs 2.8x pipe at 64 KiB,
-1.09x at 128 KiB and 0.83x at 256 KiB (benchmarks/README.md), so arrays from
-128 KiB up are shared. Below it, messages with many arrays are still packed
-(see PACK_MIN in _reduction.py).
+each side: ~0.2 ms through a Queue); pickling costs ~0.5-1 ms per MiB through
+a pipe. `python -m benchmarks --only per_item` measures both, round-robin. On
+the 2-core reference machine two full runs put the crossover at 256 KiB:
+sharing every array cost 1.09x and 1.69x pipe + pickle at 128 KiB, 0.83x and
+0.98x at 256 KiB. So arrays from 256 KiB up are shared; below, messages with
+many arrays are still packed (see PACK_MIN in _reduction.py).
 """
 
 import os
 import re
 
-DEFAULT_THRESHOLD = 128 * 1024
+DEFAULT_THRESHOLD = 256 * 1024
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 

@@ -41,14 +41,23 @@ def run(quick, bar):
         ],
     )
     bar.reset(total=len(methods) * len(sizes))
-    # Methods interleaved per size, so that a burst of load on the machine
-    # hits every method of that size alike.
+    # Round-robin per size: every method gets a slice of its repetitions in
+    # turn, so drift or a burst of load on this 2-core machine hits all alike
+    # (sub-millisecond items are otherwise dominated by it).
+    rounds = 3 if quick else 10
     for nbytes in sizes:
+        counts, seconds = {}, {m: [] for m in methods}
         for method in methods:
             (first,) = sender(method).measure(make_bytes, (nbytes,), 1)
-            count = max(3, min(most, int(budget / max(first, 1e-5))))
-            seconds = sender(method).measure(make_bytes, (nbytes,), count)
-            result.add(size_label(nbytes), method, seconds, warmup=0)
+            counts[method] = max(rounds, min(most, int(budget / max(first, 1e-5))))
+        for _ in range(rounds):
+            for method in methods:
+                per_round = -(-counts[method] // rounds)
+                seconds[method] += sender(method).measure(
+                    make_bytes, (nbytes,), per_round
+                )
+        for method in methods:
+            result.add(size_label(nbytes), method, seconds[method], warmup=0)
             bar.update()
     summarize_crossover(result, sizes)
     return result
