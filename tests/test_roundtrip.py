@@ -216,7 +216,7 @@ def test_a_reducer_failure_falls_back_instead_of_raising(monkeypatch):
     with pytest.warns(RuntimeWarning, match="pickling it by value"):
         received = roundtrip(a)
     np.testing.assert_array_equal(received, a)
-    assert torchshm.stats()["fallbacks"].get("RuntimeError", 0) >= 1
+    assert torchshm.stats()["fallbacks"].get("no space in /dev/shm", 0) >= 1
 
 
 dtypes = st.sampled_from(list(cases.DTYPES.values()))

@@ -50,13 +50,21 @@ def reduce_ndarray(array):
     try:
         reduced = _reduce_through_shared_memory(array)
     except Exception as exc:  # noqa: BLE001 - raising here loses the message
-        _stats.fallback(type(exc).__name__)
+        reason = _fallback_reason(exc)
+        _stats.fallback(reason)
         _warn_once(
             f"torchshm: could not share an array ({exc}); pickling it by value",
-            type(exc).__name__,
+            reason,
         )
         reduced = None
     return array.__reduce__() if reduced is None else reduced
+
+
+def _fallback_reason(exc):
+    """The stats() key for a failure: the common one by name, else its type."""
+    if "No space left on device" in str(exc):
+        return "no space in /dev/shm"
+    return type(exc).__name__
 
 
 def rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
