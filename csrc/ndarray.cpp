@@ -30,12 +30,22 @@ std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
 
 // Below this, one thread copies: starting threads costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 8 << 20;
+// One memcpy call of a few hundred MiB takes glibc's largest-copy path, which
+// runs at half speed here (512 MiB: 72 ms as two calls, 38 ms in 64 MiB
+// blocks); blocks of this size stay on the fast path.
+constexpr int64_t kBlockBytes = 32 << 20;
+
+void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
+  for (int64_t done = 0; done < n; done += kBlockBytes) {
+    std::memcpy(dst + done, src + done, std::min(kBlockBytes, n - done));
+  }
+}
 
 void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
   const int64_t useful = std::max<int64_t>(1, n / kMinBytesPerThread);
   const int64_t workers = std::min<int64_t>(std::max(threads, 1), useful);
   if (workers == 1) {
-    std::memcpy(dst, src, n);
+    blocked_memcpy(dst, src, n);
     return;
   }
   const int64_t chunk = (n + workers - 1) / workers;
@@ -44,9 +54,9 @@ void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
     const int64_t begin = w * chunk;
     const int64_t len = std::min(chunk, n - begin);
     if (len > 0)
-      pool.emplace_back([=] { std::memcpy(dst + begin, src + begin, len); });
+      pool.emplace_back([=] { blocked_memcpy(dst + begin, src + begin, len); });
   }
-  std::memcpy(dst, src, std::min(chunk, n));
+  blocked_memcpy(dst, src, std::min(chunk, n));
   for (auto& t : pool) t.join();
 }
 

@@ -49,9 +49,9 @@ def set_threshold(nbytes):
     _threshold = value
 
 
-# Measured on the 2-core reference VM, 400 MB into mapped shared memory:
-# 1 thread 103 ms, 2 threads 29 ms, 4 threads 31 ms. os.cpu_count() reads
-# /sys (~13 us), so this is computed once, not per array.
+# Measured on the 2-core reference VM, 400 MB into mapped shared memory
+# (blocked copies, csrc/ndarray.cpp): 1 thread 44 ms, 2 threads 30 ms,
+# 4 threads 33 ms. os.cpu_count() reads /sys (~13 us): computed once.
 _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
