@@ -4,9 +4,9 @@ Note [Default threshold]
 Sharing has a fixed cost per message (a pooled segment, its name, a view on
 each side: ~0.2 ms through a Queue); pickling costs ~0.5-1 ms per MiB through
 a pipe. `python -m benchmarks --only per_item` measures both, round-robin. On
-the 2-core reference machine two full runs put the crossover at 256 KiB:
-sharing every array cost 1.09x and 1.69x pipe + pickle at 128 KiB, 0.83x and
-0.98x at 256 KiB. So arrays from 256 KiB up are shared; below, messages with
+the 2-core reference machine four runs put the crossover at 256 KiB: sharing
+every array cost 1.09-1.69x pipe + pickle at 128 KiB and 0.75-0.98x at
+256 KiB. So arrays from 256 KiB up are shared; below, messages with
 many arrays are still packed (see PACK_MIN in _reduction.py).
 """
 
