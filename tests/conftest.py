@@ -1,8 +1,11 @@
 """Shared fixtures: start methods, bounded child runs, and the leak checker."""
 
 import gc
+import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 # Every array of at least one byte is shared, so small test arrays exercise the
@@ -63,6 +66,22 @@ def no_leaks():
         time.sleep(0.05)
     assert not extra_segments, f"segments left behind: {sorted(extra_segments)}"
     assert extra_fds <= 0, f"{extra_fds} fds left open"
+
+
+def run_script(tmp_path, source, *args):
+    """Runs `source` as a user's main script (its own process, so its own
+    imports); returns what it printed as JSON."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    run = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
 
 
 class Child:

@@ -2,9 +2,6 @@
 and xarray samples arrive equal and in shared memory, unbatched and batched
 with torchshm.collate (one segment per batch)."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import torchshm
 from tests import integration_children as ic
-from tests.conftest import TIMEOUT
+from tests.conftest import run_script, TIMEOUT
 from tests.test_pandas_xarray import assert_all_shared
 
 
@@ -201,17 +198,7 @@ SCRIPT = textwrap.dedent(
 def test_workers_register_when_main_imports_torchshm_late(
     tmp_path, no_leaks, method, mode, expected
 ):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), method, mode],
-        capture_output=True,
-        text=True,
-        timeout=2 * TIMEOUT,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr
-    samples = json.loads(run.stdout)
+    samples = run_script(tmp_path, SCRIPT, method, mode)
     assert len(samples) == 4
     for registered, init, shared in samples:
         assert registered is expected and shared is expected

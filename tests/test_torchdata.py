@@ -3,16 +3,13 @@ and items arrive equal and in shared memory. Skipped without torchdata."""
 
 import functools
 import inspect
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import torchshm
 from tests import integration_children as ic
-from tests.conftest import TIMEOUT
+from tests.conftest import run_script
 from tests.test_dataloader import assert_equal
 from tests.test_pandas_xarray import assert_all_shared
 
@@ -163,16 +160,6 @@ if hasattr(dataloader2, "PrototypeMultiProcessingReadingService"):
 def test_spawn_workers_register_when_main_imports_torchshm_late(
     tmp_path, no_leaks, service, mode
 ):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), service, mode],
-        capture_output=True,
-        text=True,
-        timeout=2 * TIMEOUT,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr
-    items = json.loads(run.stdout)
+    items = run_script(tmp_path, SCRIPT, service, mode)
     # "plain" is the control: without the helper, workers send by value.
     assert items == [[mode == "helper"] * 2] * N
