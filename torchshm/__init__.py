@@ -7,14 +7,13 @@ receiving side without a copy. Set TORCHSHM_DISABLE=1 to import without
 registering.
 """
 
-import os
-
 import torch  # noqa: F401  - loads libtorch before the extension
 
 from torchshm._compat import load_native
 
 _C = load_native()
 
+from torchshm import _config  # noqa: E402
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
 from torchshm._dataloader import (  # noqa: E402
     collate,
@@ -58,5 +57,5 @@ __all__ = [
     "worker_init_fn",
 ]
 
-if os.environ.get("TORCHSHM_DISABLE", "") not in ("1", "true", "yes"):
+if not _config.registration_disabled():
     register()

@@ -27,6 +27,11 @@ def parse_size(text):
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def registration_disabled():
+    """TORCHSHM_DISABLE=1 (or true/yes): import, and workers, do not register."""
+    return os.environ.get("TORCHSHM_DISABLE", "") in ("1", "true", "yes")
+
+
 def _threshold_from_env():
     text = os.environ.get("TORCHSHM_THRESHOLD")
     return DEFAULT_THRESHOLD if text is None else parse_size(text)

@@ -17,7 +17,6 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 """
 
 import collections.abc
-import os
 import warnings
 
 import numpy as np
@@ -30,10 +29,6 @@ _C = load_native()
 # Every stacked array starts on a cache-line boundary of the batch segment.
 _ALIGN = 64
 BATCH_DIM = "batch"
-
-
-def _env_disabled():
-    return os.environ.get("TORCHSHM_DISABLE", "") in ("1", "true", "yes")
 
 
 def worker_init_fn(worker_id_or_fn):
@@ -65,7 +60,7 @@ class ChainedWorkerInit:
 
 
 def _register_in_worker():
-    if not _env_disabled():
+    if not _config.registration_disabled():
         _registry.register()
 
 
