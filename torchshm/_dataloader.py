@@ -40,23 +40,24 @@ def worker_init_fn(worker_id_or_fn):
     See Note [Registration in workers].
     """
     if callable(worker_id_or_fn):
-        return ChainedWorkerInit(worker_id_or_fn)
+        return RegisterThenCall(worker_id_or_fn, "torchshm.worker_init_fn")
     _register_in_worker()
     return None
 
 
-class ChainedWorkerInit:
-    """Registers torchshm, then calls the user's `fn(worker_id)`."""
+class RegisterThenCall:
+    """A picklable hook that registers torchshm, then calls the user's `fn`
+    with the hook's arguments (a DataLoader's or a torchdata worker's)."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, wrapper):
+        self.fn, self.wrapper = fn, wrapper
 
-    def __call__(self, worker_id):
+    def __call__(self, *args):
         _register_in_worker()
-        return self.fn(worker_id)
+        return self.fn(*args)
 
     def __repr__(self):
-        return f"torchshm.worker_init_fn({self.fn!r})"
+        return f"{self.wrapper}({self.fn!r})"
 
 
 def _register_in_worker():

@@ -16,7 +16,7 @@ work with torchdata 0.5 to 0.9 (and torch's own datapipes).
 """
 
 from torchshm import _registry, _share
-from torchshm._dataloader import _register_in_worker
+from torchshm._dataloader import RegisterThenCall, _register_in_worker
 
 
 def datapipe_worker_init_fn(datapipe_or_fn, worker_info=None):
@@ -28,23 +28,9 @@ def datapipe_worker_init_fn(datapipe_or_fn, worker_info=None):
     returns `fn(datapipe, worker_info)`.
     """
     if worker_info is None and callable(datapipe_or_fn):
-        return ChainedDatapipeInit(datapipe_or_fn)
+        return RegisterThenCall(datapipe_or_fn, "torchshm.datapipe_worker_init_fn")
     _register_in_worker()
     return datapipe_or_fn
-
-
-class ChainedDatapipeInit:
-    """Registers torchshm, then calls the user's `fn(datapipe, worker_info)`."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, datapipe, worker_info):
-        _register_in_worker()
-        return self.fn(datapipe, worker_info)
-
-    def __repr__(self):
-        return f"torchshm.datapipe_worker_init_fn({self.fn!r})"
 
 
 def share_memory(item):
