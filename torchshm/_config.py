@@ -10,6 +10,7 @@ every array cost 1.09-1.69x pipe + pickle at 128 KiB and 0.75-0.98x at
 many arrays are still packed (see PACK_MIN in _reduction.py).
 """
 
+import functools
 import os
 import re
 
@@ -65,12 +66,15 @@ def copy_threads():
     return _COPY_THREADS
 
 
-def _dev_shm_bytes():
+@functools.lru_cache(maxsize=None)
+def _default_cap():
+    """A quarter of /dev/shm, at most 4 GiB: the default for both caches.
+    Read once: it is asked whenever a segment is made or a mapping goes idle."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
         return 0
-    return st.f_blocks * st.f_frsize
+    return min(st.f_blocks * st.f_frsize // 4, 4 << 30)
 
 
 def _bytes_from_env(name, default):
@@ -82,7 +86,7 @@ def pool_bytes():
     """Cap on the shared memory a sending process keeps pooled for reuse
     (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at most 4 GiB; 0 turns
     pooling off)."""
-    return _bytes_from_env("TORCHSHM_POOL_BYTES", min(_dev_shm_bytes() // 4, 4 << 30))
+    return _bytes_from_env("TORCHSHM_POOL_BYTES", _default_cap())
 
 
 def pool_idle_seconds():
@@ -93,6 +97,4 @@ def pool_idle_seconds():
 def mapping_cache_bytes():
     """Cap on idle mappings a receiver keeps so that segments reused by a
     sender's pool are not faulted in again (TORCHSHM_MAPPING_CACHE_BYTES)."""
-    return _bytes_from_env(
-        "TORCHSHM_MAPPING_CACHE_BYTES", min(_dev_shm_bytes() // 4, 4 << 30)
-    )
+    return _bytes_from_env("TORCHSHM_MAPPING_CACHE_BYTES", _default_cap())
