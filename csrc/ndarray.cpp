@@ -31,8 +31,9 @@ std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
 // Below this, one thread copies: starting threads costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 8 << 20;
 // One memcpy call of a few hundred MiB takes glibc's largest-copy path, which
-// runs at half speed here (512 MiB: 72 ms as two calls, 38 ms in 64 MiB
-// blocks); blocks of this size stay on the fast path.
+// ran at half speed here (a one-off measurement, 512 MiB: 72 ms as two calls,
+// 38 ms in 64 MiB blocks); blocks of this size stay on the fast path
+// (`python -m benchmarks.micro` measures the result).
 constexpr int64_t kBlockBytes = 32 << 20;
 
 void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {

@@ -63,7 +63,8 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
                 " in /dev/shm: ", errno_text(err));
   }
   // The sender writes every page next: one bulk populate is cheaper than a
-  // page fault per 4 KiB (measured: benchmarks, fresh 400 MB sends).
+  // page fault per 4 KiB (a one-off measurement of a fresh 400 MB segment:
+  // 0.75 s populated vs 0.90 s faulted, on a loaded machine).
   void* base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE,
                       MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) {

@@ -55,9 +55,9 @@ def set_threshold(nbytes):
     _threshold = value
 
 
-# Measured on the 2-core reference VM, 400 MB into mapped shared memory
-# (blocked copies, csrc/ndarray.cpp): 1 thread 44 ms, 2 threads 30 ms,
-# 4 threads 33 ms. os.cpu_count() reads /sys (~13 us): computed once.
+# `python -m benchmarks.micro` on the 2-core reference VM, 400 MB into mapped
+# shared memory: 1 thread 43 ms, 2 threads 32 ms, 4 threads 33 ms.
+# os.cpu_count() reads /sys (~13 us): computed once.
 _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
