@@ -51,10 +51,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"));
   m.def(
-      "owns_reference",
-      [](const at::Tensor& t) { return checked_view(t).ref_pid.load() != 0; },
-      py::arg("tensor"));
-  m.def(
       "disown", [](const at::Tensor& t) { checked_view(t).disown(); },
       py::arg("tensor"));
   m.def(
