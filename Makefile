@@ -1,5 +1,7 @@
 # On a fresh Debian 12 machine as root, `make test` and `make bench` install
 # what they need from Debian, create .venv and build torchshm into it.
+# `make test-modern` runs the suite again on Debian 13 (torch 2.x, numpy 2.x,
+# Python 3.13) in a cached chroot: see scripts/modern_lane.sh.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,11 +10,14 @@ DEBS := python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11 \
 	python3-venv python3-pip python3-setuptools python3-wheel g++ ninja-build \
 	python3-pandas python3-xarray python3-pytest python3-pytest-timeout \
 	python3-hypothesis python3-psutil python3-tqdm python3-matplotlib \
-	python3-nbclient python3-nbformat python3-ipykernel python3-portalocker
+	python3-nbclient python3-nbformat python3-ipykernel python3-portalocker \
+	python3-build
 LINT_DEBS := black flake8 clang-format
+# The Debian 13 lane's host side; its own packages are listed in the script.
+MODERN_DEBS := debootstrap util-linux
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: deps build test bench lint format clean
+.PHONY: deps build test test-modern bench lint format clean
 
 # Installs only the Debian packages that are missing.
 define apt_install
@@ -41,6 +46,10 @@ build: deps $(BUILT)
 test: build
 	$(PY) -m pytest -q
 
+test-modern:
+	$(call apt_install,$(MODERN_DEBS))
+	scripts/modern_lane.sh
+
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
@@ -48,6 +57,7 @@ lint: deps
 	$(call apt_install,$(LINT_DEBS))
 	black --check --quiet torchshm tests benchmarks scripts setup.py
 	flake8 torchshm tests benchmarks scripts setup.py
+	bash -n scripts/modern_lane.sh
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:
@@ -55,4 +65,4 @@ format:
 	clang-format -i csrc/*.cpp csrc/*.h
 
 clean:
-	rm -rf $(VENV) build *.egg-info torchshm/_C*.so torchshm/_build_info.json
+	rm -rf $(VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json

@@ -1,0 +1,222 @@
+#!/bin/bash
+# The Debian 13 (trixie) lane: torch 2.x, numpy 2.x, Python 3.13 (`make test-modern`).
+#
+# 1. On first use, builds a trixie root with debootstrap (its default mirror)
+#    and installs PACKAGES in it. The root is cached outside the clone, named
+#    after a hash of its recipe, so that a changed package list builds a new
+#    one; it is built in a temporary directory and renamed into place only
+#    once complete, so a failed bootstrap never leaves a root that looks valid.
+# 2. Copies this checkout's source files (tracked and untracked-not-ignored)
+#    into a scratch tmpfs inside the root, builds torchshm there in a venv over
+#    the root's system torch, and runs the whole test suite.
+#
+# Every stage runs in its own mount namespace (unshare -m), made private
+# before anything is mounted: the bind mounts of /proc, /sys, /dev and
+# /dev/shm, the read-only view of the cached root and the scratch tmpfs
+# vanish with the namespace, on success or failure. The cached root itself is
+# mounted read-only while the suite runs, so tests cannot change it.
+#
+# Environment: TORCHSHM_LANE_CACHE (default /var/cache/torchshm),
+# TORCHSHM_VENDOR (default ../shared/vendor, next to the clone),
+# PYTEST_ARGS (default -q).
+set -euo pipefail
+
+SUITE=trixie
+# The lane's Debian packages: the Debian 12 lane's (Makefile DEBS) plus
+# python3-build for the sdist test and util-linux/mount for the unshare tests.
+PACKAGES=(
+    python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11
+    python3-venv python3-pip python3-setuptools python3-wheel python3-build
+    g++ ninja-build python3-pandas python3-xarray python3-pytest
+    python3-pytest-timeout python3-hypothesis python3-psutil python3-tqdm
+    python3-matplotlib python3-nbclient python3-nbformat python3-ipykernel
+    python3-portalocker util-linux mount
+)
+# Bump when the way the root is made changes (not only its package list).
+RECIPE_VERSION=1
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SELF="$REPO/scripts/modern_lane.sh"
+CACHE=${TORCHSHM_LANE_CACHE:-/var/cache/torchshm}
+VENDOR=${TORCHSHM_VENDOR:-$(cd "$REPO/.." && pwd)/shared/vendor}
+HASH=$(printf '%s\n' "$SUITE" "$RECIPE_VERSION" "${PACKAGES[@]}" | sha256sum | cut -c1-16)
+ROOT="$CACHE/$SUITE-$HASH"
+
+log() { printf '[modern lane] %s\n' "$*" >&2; }
+
+# Refuses to delete anything that still has a mount under it.
+remove_tree() {
+    local dir=$1
+    if awk -v d="$dir" '$5 == d || index($5, d "/") == 1 { found = 1 } END { exit !found }' \
+        /proc/self/mountinfo; then
+        log "not removing $dir: something is mounted under it"
+        return 1
+    fi
+    rm -rf --one-file-system -- "$dir"
+}
+
+# Ends the processes still in this mount namespace (daemons the lane
+# started, e.g. a fork server), so that the namespace and its mounts go away.
+end_namespace_processes() {
+    local ns pid
+    ns=$(readlink /proc/$$/ns/mnt)
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+        [ "$pid" = $$ ] && continue
+        [ "$(readlink "/proc/$pid/ns/mnt" 2>/dev/null)" = "$ns" ] || continue
+        # Only processes inside the lane root (not this script's own pipeline).
+        [ "$(readlink "/proc/$pid/root" 2>/dev/null)" = "$1" ] || continue
+        log "ending leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null))"
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+}
+
+bind_system() {  # bind_system ROOT
+    local root=$1
+    mount --bind /proc "$root/proc"
+    mount --bind /sys "$root/sys"
+    mount --bind /dev "$root/dev"
+    mount --bind /dev/shm "$root/dev/shm"
+}
+
+chroot_run() {  # chroot_run ROOT COMMAND...: a clean environment inside ROOT
+    local root=$1
+    shift
+    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        DEBIAN_FRONTEND=noninteractive "$@"
+}
+
+# --- stage 1 (in its own namespace): debootstrap into DIR and install ---------
+inside_bootstrap() {
+    local dir=$1
+    mount --make-rprivate /
+    debootstrap --variant=minbase "$SUITE" "$dir" >&2
+    bind_system "$dir"
+    # Name resolution for apt, without copying the host's file into the root.
+    touch "$dir/etc/resolv.conf"
+    mount --bind /etc/resolv.conf "$dir/etc/resolv.conf"
+    # No service starts inside the root.
+    printf '#!/bin/sh\nexit 101\n' >"$dir/usr/sbin/policy-rc.d"
+    chmod +x "$dir/usr/sbin/policy-rc.d"
+    chroot_run "$dir" apt-get update -qq
+    chroot_run "$dir" apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
+    chroot_run "$dir" apt-get clean
+    mkdir -p "$dir/lane"
+    printf '%s\n' "${PACKAGES[@]}" >"$dir/lane-packages.txt"
+    end_namespace_processes "$dir"
+}
+
+ensure_root() {
+    if [ -d "$ROOT" ]; then
+        log "using cached $SUITE root $ROOT"
+        return
+    fi
+    mkdir -p "$CACHE"
+    exec 9>"$CACHE/.lock"
+    flock 9
+    if [ -d "$ROOT" ]; then  # another run built it meanwhile
+        exec 9>&-
+        return
+    fi
+    # Leftovers of a killed bootstrap (an exited namespace holds no mounts).
+    local old
+    for old in "$CACHE"/.build-*; do
+        [ -e "$old" ] && remove_tree "$old"
+    done
+    local tmp start
+    tmp=$(mktemp -d "$CACHE/.build-$SUITE-$HASH.XXXXXX")
+    chmod 755 "$tmp"  # it becomes "/": mktemp made it 0700
+    trap 'remove_tree "'"$tmp"'" || true' EXIT
+    start=$SECONDS
+    log "building the $SUITE root (debootstrap, then ${#PACKAGES[@]} packages) in $tmp"
+    unshare --mount --propagation private -- "$SELF" __bootstrap "$tmp"
+    mv -T "$tmp" "$ROOT"
+    trap - EXIT
+    log "built $ROOT in $((SECONDS - start)) s"
+    # Roots for other package lists are stale now.
+    for old in "$CACHE/$SUITE"-*; do
+        [ "$old" = "$ROOT" ] || remove_tree "$old"
+    done
+    exec 9>&-
+}
+
+# --- stage 2 (in its own namespace): build torchshm and run the suite ---------
+inside_test() {
+    local root=$ROOT lane=$ROOT/lane status=0
+    mount --make-rprivate /
+    # The root becomes a mount point of its own: inside the chroot, `unshare -m`
+    # (tests/test_limits.py) can then make "/" private. Read-only: the cache
+    # stays as built.
+    mount --bind "$root" "$root"
+    mount -o remount,bind,ro "$root"
+    bind_system "$root"
+    local d
+    for d in tmp var/tmp root lane; do
+        mount -t tmpfs -o mode=1777 tmpfs "$root/$d"
+    done
+    mkdir -p "$lane/main" "$lane/shared"
+    if [ -d "$VENDOR" ]; then
+        mkdir -p "$lane/shared/vendor"
+        mount --bind -o ro "$VENDOR" "$lane/shared/vendor"
+        mount -o remount,bind,ro "$lane/shared/vendor"
+    else
+        log "no vendored torchdata at $VENDOR: its tests will skip"
+    fi
+    copy_sources "$lane/main"
+    cat >"$lane/run.sh" <<'EOF'
+set -euo pipefail
+cd /lane/main
+python3 -m venv --system-site-packages /lane/venv
+start=$SECONDS
+MAX_JOBS=$(nproc) /lane/venv/bin/python -m pip install -q --no-build-isolation \
+    --no-deps --no-index --no-cache-dir -e .
+echo "[modern lane] built torchshm in $((SECONDS - start)) s" >&2
+/lane/venv/bin/python - <<'PY'
+import sys, numpy, pandas, torch, xarray
+print(f"[modern lane] Python {sys.version.split()[0]}, torch {torch.__version__},"
+      f" numpy {numpy.__version__}, pandas {pandas.__version__},"
+      f" xarray {xarray.__version__}", file=sys.stderr)
+PY
+start=$SECONDS
+status=0
+/lane/venv/bin/python -m pytest -p no:cacheprovider $PYTEST_ARGS || status=$?
+echo "[modern lane] test suite: $((SECONDS - start)) s" >&2
+exit $status
+EOF
+    chroot_run "$root" PYTEST_ARGS="${PYTEST_ARGS:--q}" /bin/bash /lane/run.sh || status=$?
+    end_namespace_processes "$root"
+    return $status
+}
+
+copy_sources() {  # the files git would commit, as they are in the worktree
+    local dest=$1
+    if git -C "$REPO" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+        (cd "$REPO" && git ls-files -co --exclude-standard -z |
+            while IFS= read -r -d '' f; do
+                [ -f "$f" ] && printf '%s\0' "$f"
+            done | tar --null -T - -cf -) | tar -xf - -C "$dest"
+    else
+        tar -C "$REPO" --exclude-vcs --exclude=./.venv --exclude=./build \
+            --exclude='*.so' --exclude=__pycache__ --exclude=./torchshm/_build_info.json \
+            -cf - . | tar -xf - -C "$dest"
+    fi
+}
+
+case "${1:-}" in
+__bootstrap) inside_bootstrap "$2" ;;
+__test) inside_test ;;
+"")
+    if [ "$(id -u)" != 0 ]; then
+        log "needs root (debootstrap, chroot, mounts)"
+        exit 1
+    fi
+    start=$SECONDS
+    ensure_root
+    unshare --mount --propagation private -- "$SELF" __test
+    log "lane wall time $((SECONDS - start)) s"
+    ;;
+*)
+    echo "usage: $0" >&2
+    exit 2
+    ;;
+esac
