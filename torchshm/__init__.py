@@ -35,8 +35,8 @@ from torchshm._torchdata import (  # noqa: E402
     in_workers,
     share_memory,
 )
+from torchshm._version import __version__  # noqa: E402, F401
 
-__version__ = "0.1.0"
 __all__ = [
     "collate",
     "convert",
