@@ -36,7 +36,7 @@ def make_frame(seed=0, n=64):
             "f64": rng.random(n),
             "i32": rng.integers(0, 100, n).astype(np.int32),
             "f32": rng.random(n).astype(np.float32),
-            "when": pd.date_range("2024-03-30", periods=n, freq="H", tz="Europe/Paris")
+            "when": pd.date_range("2024-03-30", periods=n, freq="h", tz="Europe/Paris")
             + pd.Timedelta(seed, "D"),
             "naive": pd.date_range("2000-01-01", periods=n, freq="D"),
             "cat": pd.Categorical(rng.choice(["x", "y", "z"], n)),
