@@ -1,7 +1,10 @@
-// Bindings only: the mechanism lives in segment.cpp and ndarray.cpp.
+// Bindings only: the mechanism lives in segment.cpp, identity.cpp and
+// ndarray.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
+#include "errors.h"
+#include "identity.h"
 #include "ndarray.h"
 #include "numpy_api.h"
 #include "segment.h"
@@ -17,31 +20,66 @@ View& checked_view(const at::Tensor& tensor) {
   return *view;
 }
 
+PyObject* shm_error_type = nullptr;
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   if (_import_array() < 0) throw py::error_already_set();
-  m.doc() = "torchshm's native mechanism: segments, extents, copies, views.";
+  m.doc() = "torchshm's native mechanism: segments, holders, extents, copies.";
   m.attr("built_with_torch") = TORCHSHM_TORCH_VERSION;
   m.attr("built_with_numpy") = TORCHSHM_NUMPY_VERSION;
+  m.attr("HEADER_BYTES") = torchshm::kHeaderBytes;
+  m.attr("SLOTS") = torchshm::kSlots;
+  m.attr("TICKET_BIT") = torchshm::kTicketBit;
+
+  // OSError(errno, message): Python decides by .errno which failures mean
+  // "fall back to pickling".
+  shm_error_type = PyErr_NewExceptionWithDoc(
+      "torchshm._C.SharedMemoryError",
+      "A shared-memory operation failed; .errno says why.", PyExc_OSError,
+      nullptr);
+  m.attr("SharedMemoryError") = py::handle(shm_error_type);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const torchshm::ShmError& e) {
+      py::object args = py::make_tuple(e.err(), e.what());
+      PyErr_SetObject(shm_error_type, args.ptr());
+    }
+  });
 
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("create", &Segment::create, py::arg("name"),
-                  py::arg("capacity"), py::call_guard<py::gil_scoped_release>())
+                  py::arg("capacity"), py::arg("creator"),
+                  py::call_guard<py::gil_scoped_release>())
       .def_static("attach", &Segment::attach, py::arg("name"),
                   py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("name", &Segment::name)
       .def_property_readonly("capacity", &Segment::capacity)
-      .def_property_readonly("refcount", &Segment::refcount)
+      .def_property_readonly("generation", &Segment::generation)
+      .def_property_readonly("unlinked", &Segment::unlinked)
+      .def_property_readonly("holders", &Segment::holders)
       .def_property_readonly("local_views", &Segment::local_views)
-      .def("try_acquire", &Segment::try_acquire)
-      .def("release", &Segment::release)
+      .def("take_slot", &Segment::take_slot, py::arg("holder"))
+      .def("release_slot", &Segment::release_slot, py::arg("slot"),
+           py::arg("holder"))
+      .def("issue_ticket", &Segment::issue_ticket)
+      .def("claim_ticket", &Segment::claim_ticket, py::arg("ticket"),
+           py::arg("holder"))
+      .def("cancel_ticket", &Segment::cancel_ticket, py::arg("ticket"))
+      .def("reserve_for_reuse", &Segment::reserve_for_reuse,
+           py::arg("own_slot"))
+      .def("has_live_holder", &Segment::has_live_holder,
+           py::arg("except_slot") = -1)
+      .def("unlink", &Segment::unlink)
       .def(
           "tensor",
-          [](std::shared_ptr<Segment> self, bool owns_reference) {
-            return torchshm::view_tensor(std::move(self), owns_reference);
+          [](std::shared_ptr<Segment> self, int slot, uint64_t holder) {
+            return torchshm::view_tensor(std::move(self), slot, holder);
           },
-          py::arg("owns_reference"));
+          py::arg("slot"), py::arg("holder"),
+          "An int8 tensor over the data; its view owns `slot` (-1: none).");
 
   m.def(
       "segment_of",
@@ -54,11 +92,22 @@ PYBIND11_MODULE(_C, m) {
       "disown", [](const at::Tensor& t) { checked_view(t).disown(); },
       py::arg("tensor"));
   m.def(
-      "claim_reference",
-      [](const at::Tensor& t) { checked_view(t).ref_pid.store(::getpid()); },
-      py::arg("tensor"),
-      "Marks a view as owning a reference taken for this process (a forked "
-      "child's inherited view).");
+      "adopt",
+      [](const at::Tensor& t, int slot, uint64_t holder) {
+        checked_view(t).adopt(slot, holder);
+      },
+      py::arg("tensor"), py::arg("slot"), py::arg("holder"),
+      "Makes a view own a slot taken for this process (a forked child's "
+      "inherited view).");
+
+  m.def("process_id", &torchshm::self_id);
+  m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));
+  m.def("lock_path", &torchshm::lock_path, py::arg("id"));
+  m.def("prepare_child", &torchshm::prepare_child);
+  m.def("after_fork_in_parent", &torchshm::after_fork_in_parent);
+  m.def("after_fork_in_child", &torchshm::after_fork_in_child);
+  m.def("remove_own_lock", &torchshm::remove_own_lock);
+
   m.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
   m.def("data_address", &torchshm::data_address, py::arg("array"));
   m.def("copy_extent", &torchshm::copy_extent, py::arg("array"),

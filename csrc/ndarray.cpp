@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 #include "numpy_api.h"
@@ -15,15 +16,28 @@ PyArrayObject* as_ndarray(py::handle obj) {
   return reinterpret_cast<PyArrayObject*>(obj.ptr());
 }
 
+// The bytes [lo, hi) a view reaches from its first element, computed with
+// overflow checks: a crafted shape or stride must fail, never wrap around
+// into a range that passes the bounds check.
 std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
                                       const std::vector<int64_t>& shape,
                                       const std::vector<int64_t>& strides) {
   int64_t lo = 0;
   int64_t hi = itemsize;
+  TORCH_CHECK(itemsize >= 0, "expected a non-negative itemsize, got ",
+              itemsize);
   for (size_t d = 0; d < shape.size(); ++d) {
+    TORCH_CHECK(shape[d] >= 0, "expected non-negative dimensions, got ",
+                shape[d]);
     if (shape[d] == 0) return {0, 0};
-    const int64_t reach = (shape[d] - 1) * strides[d];
-    (reach < 0 ? lo : hi) += reach;
+  }
+  for (size_t d = 0; d < shape.size(); ++d) {
+    int64_t reach = 0;
+    int64_t& end = strides[d] < 0 ? lo : hi;
+    TORCH_CHECK(!__builtin_mul_overflow(shape[d] - 1, strides[d], &reach) &&
+                    !__builtin_add_overflow(end, reach, &end),
+                "view of shape ", c10::IntArrayRef(shape), " and strides ",
+                c10::IntArrayRef(strides), " spans more than 2**63 bytes");
   }
   return {lo, hi};
 }
@@ -45,20 +59,33 @@ void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
 void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
   const int64_t useful = std::max<int64_t>(1, n / kMinBytesPerThread);
   const int64_t workers = std::min<int64_t>(std::max(threads, 1), useful);
-  if (workers == 1) {
-    blocked_memcpy(dst, src, n);
-    return;
-  }
   const int64_t chunk = (n + workers - 1) / workers;
-  std::vector<std::thread> pool;
+  // Joins whatever started, on every path: a std::thread destroyed while
+  // joinable calls std::terminate.
+  struct Joiner {
+    std::vector<std::thread> threads;
+    ~Joiner() {
+      for (auto& t : threads) t.join();
+    }
+  } pool;
+  // Chunks no thread took (none could start, e.g. under a pids limit) are
+  // copied here, in the calling thread.
+  int64_t mine_from = n;
   for (int64_t w = 1; w < workers; ++w) {
     const int64_t begin = w * chunk;
     const int64_t len = std::min(chunk, n - begin);
-    if (len > 0)
-      pool.emplace_back([=] { blocked_memcpy(dst + begin, src + begin, len); });
+    if (len <= 0) break;
+    try {
+      pool.threads.emplace_back(
+          [=] { blocked_memcpy(dst + begin, src + begin, len); });
+    } catch (const std::system_error&) {
+      mine_from = begin;
+      break;
+    }
   }
   blocked_memcpy(dst, src, std::min(chunk, n));
-  for (auto& t : pool) t.join();
+  if (mine_from < n)
+    blocked_memcpy(dst + mine_from, src + mine_from, n - mine_from);
 }
 
 }  // namespace
@@ -105,11 +132,22 @@ py::object wrap_ndarray(const at::Tensor& owner, int64_t offset,
   // PyArray_NewFromDescr steals.
   if (!PyArray_DescrConverter(dtype.ptr(), &descr))
     throw py::error_already_set();
-  const auto [lo, hi] = extent_of(descr_itemsize(descr), shape, strides);
-  if (hi > lo && (offset + lo < 0 || offset + hi > owner.numel())) {
+  std::pair<int64_t, int64_t> extent;
+  try {
+    extent = extent_of(descr_itemsize(descr), shape, strides);
+  } catch (...) {
     Py_DECREF(descr);
-    TORCH_CHECK(false, "view [", offset + lo, ", ", offset + hi,
-                ") reaches outside its storage of ", owner.numel(), " bytes");
+    throw;
+  }
+  const auto [lo, hi] = extent;
+  int64_t first = 0;
+  int64_t last = 0;
+  if (hi > lo && (__builtin_add_overflow(offset, lo, &first) ||
+                  __builtin_add_overflow(offset, hi, &last) || first < 0 ||
+                  last > owner.numel())) {
+    Py_DECREF(descr);
+    TORCH_CHECK(false, "view of bytes [", lo, ", ", hi, ") at offset ", offset,
+                " reaches outside its storage of ", owner.numel(), " bytes");
   }
   std::vector<npy_intp> dims(shape.begin(), shape.end());
   std::vector<npy_intp> steps(strides.begin(), strides.end());

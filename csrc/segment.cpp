@@ -6,26 +6,31 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
+
+#include "errors.h"
+#include "identity.h"
 
 namespace torchshm {
-namespace {
 
-constexpr uint64_t kMagic = 0x316d687368637274ULL;  // "trchshm1"
-constexpr size_t kHeaderBytes = 64;  // keeps the data 64-byte aligned
+constexpr uint64_t kMagic = 0x326d687368637274ULL;  // "trchshm2"
 
+// The layout torchshm/_reaper.py reads too (it has no native code): keep the
+// offsets there in step.
 struct Header {
-  uint64_t magic;
-  std::atomic<int64_t> refcount;
-  int64_t capacity;
+  uint64_t magic;                       // 0, written last at creation
+  int64_t capacity;                     // 8
+  uint64_t creator;                     // 16
+  std::atomic<uint64_t> generation;     // 24
+  std::atomic<uint32_t> unlinked;       // 32
+  uint32_t reserved[7];                 // 36
+  std::atomic<uint64_t> slots[kSlots];  // 64
 };
-static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its slot");
-static_assert(std::atomic<int64_t>::is_always_lock_free,
-              "a cross-process counter must be lock-free");
+static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its page");
+static_assert(offsetof(Header, slots) == 64, "the reaper reads slots at 64");
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "a cross-process slot must be lock-free");
 
-Header* header_of(void* base) { return static_cast<Header*>(base); }
-
-std::string errno_text(int err) { return std::string(std::strerror(err)); }
+namespace {
 
 // Closes the fd on every path; the mapping outlives it.
 struct FdCloser {
@@ -46,21 +51,22 @@ Segment::Segment(std::string name, void* base, size_t mapped_bytes,
       mapped_bytes_(mapped_bytes),
       capacity_(capacity) {}
 
+Header* Segment::header() const { return static_cast<Header*>(base_); }
+
 std::shared_ptr<Segment> Segment::create(const std::string& name,
-                                         int64_t capacity) {
+                                         int64_t capacity, uint64_t creator) {
   TORCH_CHECK(capacity >= 0, "expected a non-negative capacity, got ",
               capacity);
   const size_t total = kHeaderBytes + static_cast<size_t>(capacity);
   int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  TORCH_CHECK(fd >= 0, "torchshm: shm_open(", name,
-              ") failed: ", errno_text(errno));
+  if (fd < 0) throw_errno(errno, "shm_open(", name, ") failed");
   FdCloser closer{fd};
   // posix_fallocate returns the error instead of setting errno.
   int err = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
   if (err != 0) {
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "torchshm: cannot reserve ", total, " bytes for ", name,
-                " in /dev/shm: ", errno_text(err));
+    throw_errno(err, "cannot reserve ", total, " bytes for ", name,
+                " in /dev/shm");
   }
   // The sender writes every page next: one bulk populate is cheaper than a
   // page fault per 4 KiB (a one-off measurement of a fresh 400 MB segment:
@@ -70,67 +76,132 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
   if (base == MAP_FAILED) {
     err = errno;
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "torchshm: mmap of ", total,
-                " bytes failed: ", errno_text(err));
+    throw_errno(err, "mmap of ", total, " bytes failed");
   }
-  Header* header = header_of(base);
-  new (&header->refcount) std::atomic<int64_t>(1);
-  header->capacity = capacity;
-  header->magic = kMagic;
+  // fallocate zeroed the page: every slot is empty, generation 0.
+  Header* h = static_cast<Header*>(base);
+  h->capacity = capacity;
+  h->creator = creator;
+  h->slots[0].store(creator);
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
   return std::shared_ptr<Segment>(new Segment(name, base, total, capacity));
 }
 
 std::shared_ptr<Segment> Segment::attach(const std::string& name) {
-  int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "torchshm: shared-memory segment ", name, " is gone (",
-              errno_text(errno),
-              "); its session ended, or the message was delivered twice");
+  int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600);
+  if (fd < 0)
+    throw_errno(errno, "shared-memory segment ", name,
+                " is gone: its sender's session ended, or every process "
+                "holding it let it go");
   FdCloser closer{fd};
   struct stat st;
-  TORCH_CHECK(::fstat(fd, &st) == 0, "torchshm: fstat(", name,
-              ") failed: ", errno_text(errno));
+  if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat(", name, ") failed");
+  // Another user may share /dev/shm: map only what this user made, privately.
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+      (st.st_mode & 0777) != 0600)
+    throw_errno(EACCES, "refusing to map ", name,
+                ": not a regular file of this user with mode 0600 (owner ",
+                st.st_uid, ", mode ", std::oct, (st.st_mode & 0777), ")");
   const size_t total = static_cast<size_t>(st.st_size);
-  TORCH_CHECK(total >= kHeaderBytes, "torchshm: segment ", name,
-              " is truncated: ", total, " bytes");
+  if (total < kHeaderBytes)
+    throw_errno(EINVAL, "segment ", name, " is truncated: ", total, " bytes");
   void* base =
       ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  TORCH_CHECK(base != MAP_FAILED, "torchshm: mmap of ", name,
-              " failed: ", errno_text(errno));
-  Header* header = header_of(base);
-  if (header->magic != kMagic ||
-      header->capacity + kHeaderBytes != static_cast<int64_t>(total)) {
+  if (base == MAP_FAILED) throw_errno(errno, "mmap of ", name, " failed");
+  Header* h = static_cast<Header*>(base);
+  if (h->magic != kMagic || h->capacity < 0 ||
+      static_cast<uint64_t>(h->capacity) + kHeaderBytes != total) {
     ::munmap(base, total);
-    TORCH_CHECK(false, "torchshm: ", name, " is not a torchshm segment");
+    throw_errno(EINVAL, name, " is not a torchshm segment");
   }
-  return std::shared_ptr<Segment>(
-      new Segment(name, base, total, header->capacity));
+  return std::shared_ptr<Segment>(new Segment(name, base, total, h->capacity));
 }
 
 Segment::~Segment() { ::munmap(base_, mapped_bytes_); }
 
-bool Segment::try_acquire() {
-  auto& count = header_of(base_)->refcount;
-  int64_t seen = count.load();
-  while (seen > 0) {
-    if (count.compare_exchange_weak(seen, seen + 1)) return true;
+int Segment::take_slot(uint64_t holder) {
+  auto* slots = header()->slots;
+  for (int i = 0; i < kSlots; ++i) {
+    uint64_t expected = 0;
+    if (slots[i].load() == 0 &&
+        slots[i].compare_exchange_strong(expected, holder))
+      return i;
+  }
+  return -1;
+}
+
+void Segment::release_slot(int slot, uint64_t holder) {
+  if (slot < 0 || slot >= kSlots) return;
+  uint64_t expected = holder;
+  if (!header()->slots[slot].compare_exchange_strong(expected, 0)) return;
+  if (!has_live_holder()) unlink();
+}
+
+uint64_t Segment::issue_ticket() {
+  const uint64_t ticket = random_id(/*ticket=*/true);
+  return take_slot(ticket) < 0 ? 0 : ticket;
+}
+
+int Segment::claim_ticket(uint64_t ticket, uint64_t holder) {
+  auto* slots = header()->slots;
+  for (int i = 0; i < kSlots; ++i) {
+    uint64_t expected = ticket;
+    if (slots[i].load() == ticket &&
+        slots[i].compare_exchange_strong(expected, holder))
+      return i;
+  }
+  return -1;
+}
+
+bool Segment::cancel_ticket(uint64_t ticket) {
+  auto* slots = header()->slots;
+  for (int i = 0; i < kSlots; ++i) {
+    uint64_t expected = ticket;
+    if (slots[i].load() == ticket &&
+        slots[i].compare_exchange_strong(expected, 0))
+      return true;
   }
   return false;
 }
 
-void Segment::release() {
-  if (header_of(base_)->refcount.fetch_sub(1) == 1) {
-    ::shm_unlink(name_.c_str());
+bool Segment::has_live_holder(int except_slot) {
+  auto* slots = header()->slots;
+  for (int i = 0; i < kSlots; ++i) {
+    uint64_t word = slots[i].load();
+    if (i == except_slot || word == 0) continue;
+    if (holder_alive(word)) return true;
+    slots[i].compare_exchange_strong(word, 0);  // a dead process's slot
   }
+  return false;
+}
+
+bool Segment::reserve_for_reuse(int own_slot) {
+  if (views_.load() != 0 || has_live_holder(own_slot)) return false;
+  header()->generation.fetch_add(1);
+  return !has_live_holder(own_slot);
+}
+
+void Segment::unlink() {
+  if (header()->unlinked.exchange(1) == 0) ::shm_unlink(name_.c_str());
 }
 
 uint8_t* Segment::data() const {
   return static_cast<uint8_t*>(base_) + kHeaderBytes;
 }
 
-int64_t Segment::refcount() const { return header_of(base_)->refcount.load(); }
+uint64_t Segment::generation() const { return header()->generation.load(); }
 
-View::View(std::shared_ptr<Segment> seg, bool owns_reference)
-    : segment(std::move(seg)), ref_pid(owns_reference ? ::getpid() : 0) {
+bool Segment::unlinked() const { return header()->unlinked.load() != 0; }
+
+int64_t Segment::holders() const {
+  int64_t n = 0;
+  for (int i = 0; i < kSlots; ++i) n += header()->slots[i].load() != 0;
+  return n;
+}
+
+View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
+    : segment(std::move(seg)), slot(slot_), holder(holder_), pid(::getpid()) {
   segment->views_.fetch_add(1);
 }
 
@@ -140,14 +211,24 @@ View::~View() {
 }
 
 void View::disown() {
-  pid_t self = ::getpid();
-  if (ref_pid.compare_exchange_strong(self, 0)) segment->release();
+  // A forked child that never adopted (fork without torchshm's hooks) must
+  // not release the parent's slot.
+  if (pid.load() != ::getpid()) return;
+  const int s = slot.exchange(-1);
+  if (s >= 0) segment->release_slot(s, holder.load());
 }
 
-at::Tensor view_tensor(std::shared_ptr<Segment> segment, bool owns_reference) {
+void View::adopt(int slot_, uint64_t holder_) {
+  holder.store(holder_);
+  pid.store(::getpid());
+  slot.store(slot_);
+}
+
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
+                       uint64_t holder) {
   const int64_t n = segment->capacity();
   void* data = segment->data();
-  auto* view = new View(std::move(segment), owns_reference);
+  auto* view = new View(std::move(segment), slot, holder);
   at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
   at::Storage storage(at::Storage::use_byte_size_t(), n, std::move(ptr),
                       /*allocator=*/nullptr, /*resizable=*/false);

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import torchshm
-from torchshm import _session
+from torchshm import _C, _session
 from tests import isolated
 
 TIMEOUT = 60
@@ -159,7 +159,8 @@ def prefetch_receiver(inbox, outbox, shared, prefetchers):
 
 # Fields of a round's shared counters.
 SENDER_PID, RECEIVER_PID, SENT, RECEIVED, BAD, SENDER_DONE, RECEIVER_DONE = range(7)
-ERRORS, FIELDS = 7, 8
+# torchshm's process ids (segment names carry them, not pids).
+ERRORS, SENDER_ID, RECEIVER_ID, PARENT_ID, FIELDS = 7, 8, 9, 10, 11
 SHARED_N = 100_000
 
 
@@ -171,6 +172,7 @@ def kill_message(i, rng):
 
 def kill_sender(reader, writer, stats, shared, messages, seed):
     reader.close()
+    stats[SENDER_ID] = _C.process_id()
     rng = np.random.default_rng(seed)
     try:
         for i in range(messages):
@@ -186,6 +188,7 @@ def kill_sender(reader, writer, stats, shared, messages, seed):
 
 def kill_receiver(reader, writer, stats, seed):
     writer.close()
+    stats[RECEIVER_ID] = _C.process_id()
     rng = np.random.default_rng(seed)
     kept = []
     try:
@@ -216,6 +219,7 @@ def kill_round_parent(stats, messages, seed):
     here after this process shared an array that the sender re-sends."""
     ctx = mp.get_context("fork")
     shared = torchshm.share(np.arange(SHARED_N) * 2)
+    stats[PARENT_ID] = _C.process_id()
     reader, writer = ctx.Pipe(duplex=False)
     args = (reader, writer, stats)
     sender = ctx.Process(target=kill_sender, args=args + (shared, messages, seed))
@@ -309,11 +313,11 @@ def kill_rounds(rounds, seed, messages=16):
         # segments are gone now, long before the reaper's sweep.
         early = []
         if not (receiver_killed or sender_killed):
-            owners = [pids["sender"], pids["receiver"]]
+            owners = [stats[SENDER_ID], stats[RECEIVER_ID]]
             if not killed:
-                owners.append(pids["parent"])
+                owners.append(stats[PARENT_ID])
             names = isolated.session_segments(_session.session_id())
-            early = [n for n in names if int(n.split("_")[2]) in owners]
+            early = [n for n in names if int(n.split("_")[2], 16) in owners]
         row["early_leftovers"] = len(early)
         print(json.dumps(row), flush=True)
 

@@ -93,7 +93,7 @@ def test_idle_segments_are_released(monkeypatch):
     idle = set(_segments._pool_segments.segments)
     assert idle
     monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "0")
-    _segments._pool_segments._next_expiry_scan = 0  # the scan runs once a second
+    _segments._pool_segments._next_thorough_scan = 0  # the scan runs once a second
     roundtrip(np.zeros(5_000_000))  # too big to reuse them; releases expired ones
     assert not idle & set(_segments._pool_segments.segments)
     assert not idle & {"/" + n for n in session_segments()}

@@ -2,6 +2,7 @@
 matrix, views, snapshots and fallbacks (fast; test_multiprocess.py crosses
 real process boundaries)."""
 
+import errno
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import torchshm
+from torchshm import _reduction
 from tests import cases
 
 
@@ -205,18 +207,51 @@ def test_plain_pickle_stays_by_value():
     assert not torchshm.is_shared(pickle.loads(data))
 
 
-def test_a_reducer_failure_falls_back_instead_of_raising(monkeypatch):
+def _stats_delta(before, after):
+    """What stats() gained between two snapshots, fallbacks included."""
+    delta = {k: after[k] - before[k] for k in after if k != "fallbacks"}
+    fallbacks = after["fallbacks"]
+    delta["fallbacks"] = {
+        k: n - before["fallbacks"].get(k, 0)
+        for k, n in fallbacks.items()
+        if n != before["fallbacks"].get(k, 0)
+    }
+    return delta
+
+
+def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
+    """The reason is decided by the error's errno, never by its text."""
     from torchshm import _segments
 
     def no_space(nbytes):
-        raise RuntimeError("torchshm: cannot reserve: No space left on device")
+        raise torchshm._C.SharedMemoryError(errno.ENOSPC, "words that say nothing")
 
     monkeypatch.setattr(_segments, "allocate", no_space)
+    monkeypatch.setattr(_reduction, "_warned", set())
     a = np.arange(100_000)
+    before = torchshm.stats()
     with pytest.warns(RuntimeWarning, match="pickling it by value"):
         received = roundtrip(a)
     np.testing.assert_array_equal(received, a)
-    assert torchshm.stats()["fallbacks"].get("no space in /dev/shm", 0) >= 1
+    delta = _stats_delta(before, torchshm.stats())
+    assert delta["fallbacks"] == {"no space in /dev/shm": 1}
+
+
+def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
+    from torchshm import _segments
+
+    def broken(nbytes):
+        raise RuntimeError("No space left on device")  # text must not matter
+
+    monkeypatch.setattr(_segments, "allocate", broken)
+    monkeypatch.setattr(_reduction, "_warned", set())
+    a = np.arange(100_000)
+    before = torchshm.stats()
+    with pytest.warns(RuntimeWarning, match="report this as a bug"):
+        received = roundtrip(a)
+    np.testing.assert_array_equal(received, a)
+    delta = _stats_delta(before, torchshm.stats())
+    assert delta["fallbacks"] == {"internal error: RuntimeError": 1}
 
 
 dtypes = st.sampled_from(list(cases.DTYPES.values()))

@@ -2,7 +2,7 @@
 
 Writing into fresh tmpfs pages runs at ~1.3 GB/s (page allocation and faults);
 into already-mapped pages at memcpy speed. So a sender keeps the segments it
-created and reuses one when its count shows that only the pool holds it (see
+created and reuses one when no slot but its own names a live holder (see
 Note [Segment lifetime] in csrc/segment.h). The pool is capped; segments idle
 for pool_idle_seconds() are released. Only policy lives here: the caller
 (_segments.py) holds the lock and does the mapping.
@@ -12,6 +12,9 @@ import collections
 import time
 
 from torchshm import _config
+from torchshm._compat import load_native
+
+_C = load_native()
 
 # Sizes round up to 1/8 of their power of two: at most 12.5% of /dev/shm is
 # reserved in vain, and arrays of similar size share a class.
@@ -26,13 +29,20 @@ def size_class(nbytes):
     return -(-nbytes // step) * step
 
 
+def _quiet(segment):
+    """No local view and no slot but the pool's own (slot 0): cheap, no
+    system call. Dead holders' slots are cleared by the periodic scan."""
+    return segment.local_views == 0 and segment.holders == 1
+
+
 def _idle(segment):
-    return segment.local_views == 0 and segment.refcount == 1
+    """Nothing but the pool holds it; clears dead holders' slots on the way."""
+    return segment.local_views == 0 and not segment.has_live_holder(0)
 
 
-# Expired segments are looked for at most this often: the scan is O(pool) and
-# must stay off the per-message path.
-_EXPIRY_SCAN_SECONDS = 1.0
+# Expired segments, and busy ones whose holders died, are looked for at most
+# this often: the scan is O(pool) and must stay off the per-message path.
+_THOROUGH_SCAN_SECONDS = 1.0
 
 
 class Pool:
@@ -40,13 +50,19 @@ class Pool:
         self.segments = {}  # name -> [Segment, last use]
         self.by_class = collections.defaultdict(list)  # capacity -> [entry]
         self.nbytes = 0
-        self._next_expiry_scan = 0.0
+        self._next_thorough_scan = 0.0
 
     def take(self, nbytes):
-        """An idle pooled segment that fits nbytes without much waste, or None."""
+        """An idle pooled segment that fits nbytes without much waste, or None.
+
+        Most calls look only at quiet segments (no system call). About once a
+        second a thorough pass also asks whether the holders of busy ones
+        still live, so that a receiver killed while holding a segment blocks
+        its reuse for at most that long."""
         now = time.monotonic()
-        if now >= self._next_expiry_scan:
-            self._next_expiry_scan = now + _EXPIRY_SCAN_SECONDS
+        thorough = now >= self._next_thorough_scan
+        if thorough:
+            self._next_thorough_scan = now + _THOROUGH_SCAN_SECONDS
             self.release_idle(older_than=_config.pool_idle_seconds())
         wanted = size_class(nbytes)
         # The fitting classes: this one, then slightly larger (<= 25% waste).
@@ -54,9 +70,10 @@ class Pool:
             c for c in self.by_class if wanted <= c <= wanted * 1.25
         ):
             for entry in self.by_class[capacity]:
-                if _idle(entry[0]):
+                segment = entry[0]
+                if (thorough or _quiet(segment)) and segment.reserve_for_reuse(0):
                     entry[1] = now
-                    return entry[0]
+                    return segment
         return None
 
     def admit(self, segment):
@@ -85,13 +102,13 @@ class Pool:
         return freed
 
     def release_all(self):
-        """Drops every creator reference (this process is exiting)."""
+        """Releases the pool's slot of every segment (this process is exiting)."""
         for name in list(self.segments):
             self._drop(name)
 
     def forget(self):
         """Forgets every segment without releasing (a forked child: the
-        references belong to the parent's pool)."""
+        slots belong to the parent's pool)."""
         self.segments.clear()
         self.by_class.clear()
         self.nbytes = 0
@@ -104,5 +121,5 @@ class Pool:
         if not siblings:
             del self.by_class[segment.capacity]
         self.nbytes -= segment.capacity
-        segment.release()
+        segment.release_slot(0, _C.process_id())
         return segment.capacity

@@ -1,72 +1,266 @@
-"""The session reaper: unlinks a session's segments once its processes are gone.
+"""The session reaper: frees shared memory whose holders are gone.
 
 Run by torchshm._session as `python -I -S _reaper.py SESSION`; it imports only
-the standard library so that it starts in milliseconds. Every process of the
-session holds one connection to it (inherited across fork, made anew after
-spawn). When the last connection closes, and nobody connects during a short
-grace period, it unlinks every /dev/shm/torchshm_SESSION_* that references
-lost to SIGKILL or to never-received messages kept alive, then exits. At start
-it also sweeps segments of older sessions whose reaper is gone (killed).
+the standard library so that it starts in milliseconds, and reads segment
+headers itself (the layout is in csrc/segment.h). Every process of the session
+holds one connection to it. It holds the session's lock file for its whole
+life: whoever shares this /dev/shm, in any network or PID namespace, can tell
+that the session lives (Note [Segment lifetime] in csrc/segment.h).
+
+Every second it looks at its session's segments and unlinks each one that no
+live holder names: a process killed with SIGKILL frees what only it held
+within about a second, while the rest of the session goes on. When the last
+connection closes, and nobody connects during a short grace period, it
+unlinks every segment of the session that is left (in-flight tickets die with
+the session) and exits. It also sweeps what dead sessions of this user left:
+their segments nobody holds, and lock files of dead processes. It only ever
+touches files of its own user.
 """
 
+import errno
+import fcntl
+import mmap
 import os
+import resource
 import selectors
 import socket
+import struct
 import sys
 import time
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "torchshm_"
+LOCK_PREFIX = "torchshm-"
 GRACE_SECONDS = 2.0  # a receiver may still be connecting
 STARTUP_SECONDS = 30.0  # the starter died before it connected
+SCAN_SECONDS = 1.0
+ORPHAN_SCAN_SECONDS = 10.0
+NEW_LOCK_SECONDS = 60.0  # a lock file still being created
+
+# csrc/segment.h: the header's layout.
+MAGIC = 0x326D687368637274
+HEADER_BYTES = 4096
+UNLINKED_OFFSET = 32
+SLOTS_OFFSET = 64
+SLOTS = 504
+TICKET_BIT = 1 << 63
 
 
 def address(session):
     return "\0torchshm-" + session
 
 
-def sweep(session):
-    prefix = f"{SEGMENT_PREFIX}{session}_"
-    for name in _segment_names():
-        if name.startswith(prefix):
-            _unlink(name)
+def process_lock_path(holder):
+    return os.path.join(SHM_DIR, f"{LOCK_PREFIX}{holder:016x}.lock")
 
 
-def sweep_orphans(own_session):
-    """Sweeps sessions whose reaper is gone (it was killed before it swept)."""
-    sessions = {name.split("_")[1] for name in _segment_names()}
-    for session in sessions - {own_session}:
-        if not session_alive(session):
-            sweep(session)
+def session_lock_path(session):
+    return os.path.join(SHM_DIR, f"{LOCK_PREFIX}session-{session}.lock")
+
+
+def _lock_alive(path):
+    """A lock file whose exclusive flock is held names a live holder."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # not ours to judge: never free memory on a guess
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def process_alive(holder):
+    return _lock_alive(process_lock_path(holder))
 
 
 def session_alive(session):
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(address(session))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
+    return _lock_alive(session_lock_path(session))
 
 
-def _segment_names():
+def hold_session_lock(session):
+    """Creates and locks the session's lock file (under a temporary name,
+    renamed once locked); the descriptor must stay open. None if another
+    reaper already holds it."""
+    path = session_lock_path(session)
+    tmp = os.path.join(SHM_DIR, f"{LOCK_PREFIX}new-{os.getpid()}-{session}.lock")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    if session_alive(session):
+        os.unlink(tmp)
+        os.close(fd)
+        return None
+    os.rename(tmp, path)
+    return fd
+
+
+def _own(st):
+    return st.st_uid == os.geteuid()
+
+
+def _segment_names(session=None):
+    prefix = SEGMENT_PREFIX + (f"{session}_" if session else "")
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
-    return [n for n in names if n.startswith(SEGMENT_PREFIX) and n.count("_") >= 3]
+    return [n for n in names if n.startswith(prefix) and n.count("_") == 3]
 
 
-def _unlink(name):
+def _creator_of(name):
+    """The process id in torchshm_<session>_<16 hex digits>_<n>, or None for
+    a name this version did not make (another torchshm version's: its own
+    reaper judges it)."""
+    parts = name.split("_")
+    if len(parts) != 4 or len(parts[2]) != 16:
+        return None
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        return int(parts[2], 16)
+    except ValueError:
+        return None
+
+
+def _read_header(name):
+    """(magic, unlinked, slot words) of one of our segments, or None."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not _own(st) or st.st_size < HEADER_BYTES:
+            return None
+        with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
+            magic = struct.unpack_from("<Q", header, 0)[0]
+            unlinked = struct.unpack_from("<I", header, UNLINKED_OFFSET)[0]
+            slots = struct.unpack_from(f"<{SLOTS}Q", header, SLOTS_OFFSET)
+        return magic, unlinked, slots
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _mark_and_unlink(name):
+    """Sets the header's `unlinked` flag (a process holding a cached mapping
+    then knows it is dead), and removes the name."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not _own(st):
+            return
+        if st.st_size >= HEADER_BYTES:
+            with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
+                struct.pack_into("<I", header, UNLINKED_OFFSET, 1)
+        # Smaller: its creator died before reserving the space.
+        os.unlink(path)
+    except (OSError, ValueError):
         pass
+    finally:
+        os.close(fd)
+
+
+def _held(name, tickets_alive):
+    """Whether a live holder names the segment (True if unsure)."""
+    header = _read_header(name)
+    creator = _creator_of(name)
+    if header is None or header[0] != MAGIC:
+        # Not yet initialized (its creator is still reserving space), another
+        # user's, or another version's.
+        if header is None and not os.path.exists(os.path.join(SHM_DIR, name)):
+            return False
+        return creator is None or process_alive(creator)
+    magic, unlinked, slots = header
+    if unlinked:
+        return False
+    for word in slots:
+        if word == 0:
+            continue
+        if word & TICKET_BIT:
+            if tickets_alive:
+                return True
+        elif process_alive(word):
+            return True
+    return False
+
+
+def release_dead(session):
+    """Unlinks the session's segments that no live holder names."""
+    for name in _segment_names(session):
+        if not _held(name, tickets_alive=True):
+            _mark_and_unlink(name)
+
+
+def sweep(session):
+    """The session is over: its tickets are dead, and every name goes (a
+    process of another session that loaded one keeps its mapping)."""
+    for name in _segment_names(session):
+        _mark_and_unlink(name)
+
+
+def sweep_orphans(own_session):
+    """Sweeps what dead sessions of this user left, and dead lock files."""
+    sessions = {name.split("_")[1] for name in _segment_names()}
+    for session in sessions - {own_session}:
+        if not session_alive(session):
+            for name in _segment_names(session):
+                if not _held(name, tickets_alive=False):
+                    _mark_and_unlink(name)
+    _sweep_dead_locks()
+
+
+def _sweep_dead_locks():
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(LOCK_PREFIX)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            young = now - st.st_mtime < NEW_LOCK_SECONDS
+            if not _own(st) or (name.startswith(f"{LOCK_PREFIX}new-") and young):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)  # dead: nobody held its lock
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _peer_is_us(conn):
+    """Only processes of this user may pin the reaper."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.geteuid()
+
+
+def _raise_fd_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def serve(session, ready):
+    _raise_fd_limit()
+    session_lock = hold_session_lock(session)
+    if session_lock is None:
+        return  # another reaper serves this session (EOF tells the starter)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address(session))
     listener.listen(128)
@@ -77,22 +271,46 @@ def serve(session, ready):
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     clients = 0
-    idle_since = time.monotonic()
+    idle_since = next_scan = next_orphan_scan = time.monotonic()
     limit = STARTUP_SECONDS
     while clients or time.monotonic() - idle_since < limit:
         for key, _ in selector.select(timeout=0.5):
             if key.fileobj is listener:
-                conn, _ = listener.accept()
+                try:
+                    conn, _ = listener.accept()
+                except OSError as exc:  # EMFILE and friends: try again later
+                    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS):
+                        time.sleep(0.1)
+                    continue
+                if not _peer_is_us(conn):
+                    conn.close()
+                    continue
                 selector.register(conn, selectors.EVENT_READ)
                 clients += 1
-            elif not key.fileobj.recv(64):
-                selector.unregister(key.fileobj)
-                key.fileobj.close()
-                clients -= 1
-                if not clients:
-                    idle_since, limit = time.monotonic(), GRACE_SECONDS
+            else:
+                try:
+                    data = key.fileobj.recv(64)
+                except OSError:
+                    data = b""
+                if not data:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    clients -= 1
+                    next_scan = time.monotonic()  # a process may have died
+                    if not clients:
+                        idle_since, limit = time.monotonic(), GRACE_SECONDS
+        now = time.monotonic()
+        if now >= next_scan:
+            next_scan = now + SCAN_SECONDS
+            release_dead(session)
+        if now >= next_orphan_scan:
+            next_orphan_scan = now + ORPHAN_SCAN_SECONDS
+            sweep_orphans(session)
     listener.close()
     sweep(session)
+    _sweep_dead_locks()
+    os.unlink(session_lock_path(session))
+    os.close(session_lock)
 
 
 def main():

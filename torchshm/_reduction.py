@@ -13,9 +13,11 @@ views of one buffer share one copy and one segment (aliasing survives), and
 the next message starts afresh (a later send snapshots the array again).
 """
 
+import errno
 import threading
 import warnings
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -43,28 +45,45 @@ PACK_MIN = 16 << 10
 CHUNK_START = 1 << 20
 CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
+_NPY_USERDEF = 256
 
 
 def reduce_ndarray(array):
-    """ForkingPickler reducer. Never raises: any failure pickles by value."""
+    """ForkingPickler reducer. Never raises: any failure pickles by value.
+
+    Failures that mean "shared memory cannot take this now" (a full /dev/shm,
+    no fds left...) fall back with one warning per reason; anything else is a
+    torchshm bug, which still falls back (a reducer that raises in a Queue's
+    feeder thread loses the message) but says so."""
     try:
-        reduced = _reduce_through_shared_memory(array)
-    except Exception as exc:  # noqa: BLE001 - raising here loses the message
-        reason = _fallback_reason(exc)
-        _stats.fallback(reason)
+        return _reduce_through_shared_memory(array) or array.__reduce__()
+    except _C.SharedMemoryError as exc:
+        reason = _FALLBACK_REASONS.get(exc.errno)
+        if reason is None:
+            reason = f"shared-memory error: {errno.errorcode.get(exc.errno, exc.errno)}"
         _warn_once(
-            f"torchshm: could not share an array ({exc}); pickling it by value",
+            f"torchshm: could not share an array ({exc}); pickling it by value", reason
+        )
+    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+        reason = f"internal error: {type(exc).__name__}"
+        _warn_once(
+            f"torchshm: unexpected {type(exc).__name__} while sharing an array"
+            f" ({exc}); pickling it by value. Please report this as a bug.",
             reason,
         )
-        reduced = None
-    return array.__reduce__() if reduced is None else reduced
+    _stats.fallback(reason)
+    return array.__reduce__()
 
 
-def _fallback_reason(exc):
-    """The stats() key for a failure: the common one by name, else its type."""
-    if "No space left on device" in str(exc):
-        return "no space in /dev/shm"
-    return type(exc).__name__
+# errno -> the stats() key of a failure that means "fall back to pickling".
+_FALLBACK_REASONS = {
+    errno.ENOSPC: "no space in /dev/shm",
+    errno.ENOMEM: "out of memory",
+    errno.EMFILE: "too many open files",
+    errno.ENFILE: "too many open files",
+    errno.EACCES: "/dev/shm not writable",
+    errno.EROFS: "/dev/shm not writable",
+}
 
 
 def rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
@@ -79,6 +98,11 @@ def rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
 def rebuild_ndarray_from_storage(storage, *view):
     """Rebuilds an array over a torch storage that torch itself shared."""
     return rebuild_ndarray(int8_tensor_over(storage), *view)
+
+
+def rebuild_ndarray_from_reduced_storage(rebuild_storage, storage_args, *view):
+    """Rebuilds an array over a storage that torch's own reducer sent."""
+    return rebuild_ndarray_from_storage(rebuild_storage(*storage_args), *view)
 
 
 def rebuild_empty(*view):
@@ -98,9 +122,10 @@ def message_token():
     return None
 
 
-def attach_segment(name):
-    """Unpickles a _SegmentRef: maps the segment, once per message."""
-    return _segments.attach(name)
+def attach_segment(name, ticket=0, generation=0):
+    """Unpickles a _SegmentRef: maps the segment and claims the message's
+    ticket (once per message; see Note [Segment lifetime])."""
+    return _segments.attach(name, ticket, generation)
 
 
 def is_shared(array):
@@ -171,7 +196,10 @@ def _token_for(message):
 
 
 class _SegmentRef:
-    """A segment named by one message; unpickling it hands over one reference."""
+    """A segment named by one message. The message's ticket is issued when
+    the pickler writes it, so every byte string that names the segment has a
+    ticket of its own, even when a nested dumps on this thread shares this
+    object with an outer message."""
 
     __slots__ = ("owner", "name", "message", "__weakref__")
 
@@ -179,7 +207,15 @@ class _SegmentRef:
         self.owner, self.name, self.message = owner, name, message
 
     def __reduce__(self):
-        return attach_segment, (self.name,)
+        try:
+            held = _segments.ticket_for(self.owner)
+        except Exception:  # noqa: BLE001 - raising here loses the message
+            held = None
+        # No ticket (every slot taken): the receiver holds the segment for as
+        # long as its generation is unchanged; our view keeps it so until the
+        # message is written.
+        ticket, generation = held or (0, _C.segment_of(self.owner).generation)
+        return attach_segment, (self.name, ticket, generation)
 
 
 _thread = threading.local()
@@ -193,17 +229,17 @@ def _current_message():
     return message
 
 
-def _ref_for(message, owner, name=None):
-    """The message's reference to a segment, taking an in-flight reference
-    the first time; None if the segment already died."""
-    name = name or _segments.name_of(owner)
+def _ref_for(message, owner):
+    """The message's reference to a segment; None if the segment's name is
+    gone (its session ended), so that receivers could not map it."""
+    segment = _C.segment_of(owner)
+    if segment.unlinked:
+        return None
     if message.refs is None:
         message.refs = weakref.WeakValueDictionary()
-    ref = message.refs.get(name)
+    ref = message.refs.get(segment.name)
     if ref is None:
-        if not _segments.acquire(owner):
-            return None
-        ref = message.refs[name] = _SegmentRef(owner, name, message)
+        ref = message.refs[segment.name] = _SegmentRef(owner, segment.name, message)
     return ref
 
 
@@ -235,9 +271,16 @@ def _reduce_small(array, threshold):
 
 def _view_args(array, offset, strides=None):
     dtype = array.dtype
-    # A dtype's .str round-trips it exactly unless it has fields, a sub-array
-    # or metadata; a str pickles in a fraction of the time a dtype object does.
-    if dtype.fields is None and dtype.subdtype is None and dtype.metadata is None:
+    # A builtin dtype's .str round-trips it exactly unless it has fields, a
+    # sub-array or metadata; a str pickles in a fraction of the time a dtype
+    # object does. User-registered dtypes (num >= NPY_USERDEF, 256) and
+    # new-style ones (num -1) have a .str that names only their bytes.
+    if (
+        0 <= dtype.num < _NPY_USERDEF
+        and dtype.fields is None
+        and dtype.subdtype is None
+        and dtype.metadata is None
+    ):
         dtype = dtype.str
     return (
         offset,
@@ -254,24 +297,32 @@ def _reduce_shared_view(array):
     owner = _root_of(array)[0]
     if not isinstance(owner, torch.Tensor):
         return None
-    offset = _C.data_address(array) - owner.data_ptr()
+    storage = untyped_storage(owner)
+    # Relative to the storage, not to `owner`, which may start at an offset
+    # into it (a slice of a received array's base).
+    offset = _C.data_address(array) - storage.data_ptr()
     if _segments.name_of(owner) is not None:
         ref = _ref_for(_current_message(), owner)
-        if ref is None:  # a forked child's inherited segment was already freed
+        if ref is None:
             return None
         _stats.add("arrays_resent")
         return rebuild_ndarray, (ref,) + _view_args(array, offset)
-    storage = untyped_storage(owner)
     # Under file_descriptor (torch's default) the receiver fetches an fd from
     # the live sender, and keeps it open: a sender that exits before the
     # receiver unpickles loses the message, and a consumer under a low
     # `ulimit -n` runs out. Only file_system has neither flaw; otherwise the
     # array is snapshotted like any other.
     if storage.is_shared() and sharing_strategy() == "file_system":
-        # torch's own storage reducer carries it.
+        # torch's own storage reducer, called here so that its failures stay
+        # inside reduce_ndarray's guard.
+        rebuild_storage, storage_args = ForkingPickler._extra_reducers[type(storage)](
+            storage
+        )
         _stats.add("arrays_resent")
-        offset = _C.data_address(array) - storage.data_ptr()
-        return rebuild_ndarray_from_storage, (storage,) + _view_args(array, offset)
+        return rebuild_ndarray_from_reduced_storage, (
+            rebuild_storage,
+            storage_args,
+        ) + _view_args(array, offset)
     return None
 
 

@@ -8,10 +8,9 @@ lifetime] in csrc/segment.h for the reference-count protocol.
 """
 
 import collections
+import errno
 import itertools
-import multiprocessing
 import os
-import signal
 import threading
 import time
 import weakref
@@ -35,7 +34,7 @@ _idle_bytes = 0
 
 def allocate(nbytes):
     """An int8 tensor over at least `nbytes` of shared memory (use only the
-    first nbytes). Raises RuntimeError if /dev/shm cannot hold it."""
+    first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it."""
     with _lock:
         segment = _pool_segments.take(nbytes)
         pooled = segment is not None
@@ -44,22 +43,28 @@ def allocate(nbytes):
             pooled = _pool_segments.admit(segment)
         else:
             _stats.add("segments_reused")
-        # A pooled segment's reference is the pool's; otherwise the view's.
-        owner = segment.tensor(owns_reference=not pooled)
+        # Slot 0 is the creator's: the pool's if pooled, else this view's.
+        owner = segment.tensor(-1 if pooled else 0, _C.process_id())
         _live[segment.name] = weakref.ref(owner)
     return owner
 
 
-def attach(name):
-    """The int8 tensor over segment `name`, taking over one in-flight reference."""
+def attach(name, ticket, generation):
+    """The int8 tensor over segment `name`, claiming the message's ticket.
+
+    A message loaded a second time finds its ticket claimed: it takes a slot
+    of its own, valid only while the segment still holds the generation the
+    message was written in (Note [Segment lifetime] in csrc/segment.h)."""
     _session.join()
+    me = _C.process_id()
     with _lock:
-        ref = _live.get(name)
-        owner = ref() if ref is not None else None
+        owner = _live_owner(name)
         if owner is not None:
-            # This process already holds the segment: the message's reference
-            # is spare.
-            _C.segment_of(owner).release()
+            # This process holds the segment already: the ticket is spare.
+            segment = _C.segment_of(owner)
+            if ticket:
+                segment.cancel_ticket(ticket)
+            _check_generation(segment, generation)
             return owner
         segment = _pool_segments.get(name) or _take_idle_mapping(name)
         if segment is None:
@@ -67,20 +72,58 @@ def attach(name):
             _stats.add("segments_attached")
         else:
             _stats.add("mappings_reused")
-        owner = segment.tensor(owns_reference=True)
+        slot = segment.claim_ticket(ticket, me) if ticket else -1
+        if slot < 0:
+            slot = segment.take_slot(me)
+            if slot < 0:
+                raise _C.SharedMemoryError(
+                    errno.EUSERS,
+                    f"torchshm: every holder slot of segment {name} is taken",
+                )
+            try:
+                _check_generation(segment, generation)
+            except BaseException:
+                segment.release_slot(slot, me)
+                raise
+        owner = segment.tensor(slot, me)
         _live[name] = weakref.ref(owner, _keeper(name, segment))
         return owner
+
+
+def _check_generation(segment, generation):
+    if segment.generation != generation:
+        raise _C.SharedMemoryError(
+            errno.ESTALE,
+            f"torchshm: segment {segment.name} no longer holds this message"
+            f" (written in generation {generation}, now {segment.generation}):"
+            " it was loaded before and its sender has reused the memory since."
+            " Load a message once, or keep its first load alive while loading"
+            " it again",
+        )
+
+
+def _live_owner(name):
+    ref = _live.get(name)
+    return ref() if ref is not None else None
+
+
+def ticket_for(tensor):
+    """(ticket, generation) for one message naming the segment behind
+    `tensor`; ticket 0 when every slot is taken (the receiver then holds the
+    segment only while its generation is unchanged), None if it is gone."""
+    segment = _C.segment_of(tensor)
+    if segment.unlinked:
+        return None
+    ticket = segment.issue_ticket()
+    if ticket == 0:
+        _stats.add("tickets_unavailable")
+    return ticket, segment.generation
 
 
 def name_of(tensor):
     """The segment behind a tensor, or None if it is not torchshm memory."""
     segment = _C.segment_of(tensor)
     return None if segment is None else segment.name
-
-
-def acquire(tensor):
-    """Takes an in-flight reference for a message; False if the segment died."""
-    return _C.segment_of(tensor).try_acquire()
 
 
 def trim():
@@ -95,11 +138,11 @@ def trim():
 
 
 def disown_all():
-    """Drops this process's references now; its mappings stay valid.
+    """Releases this process's slots now; its mappings stay valid.
 
     multiprocessing children end with os._exit, so no destructor would ever
-    release them and their segments would live until the session ends.
-    """
+    release them (a dead process's slots are freed by whoever meets them, but
+    an orderly exit should not leave that work behind)."""
     with _lock:
         owners = [ref() for ref in _live.values()]
         for owner in owners:
@@ -109,8 +152,9 @@ def disown_all():
 
 
 def _create(capacity):
-    name = f"{_session.segment_prefix()}{next(_counter)}"
-    segment = _C.Segment.create(name, capacity)
+    me = _C.process_id()
+    name = f"{_session.segment_prefix()}{me:016x}_{next(_counter)}"
+    segment = _C.Segment.create(name, capacity, me)
     _stats.add("segments_created")
     return segment
 
@@ -123,7 +167,7 @@ def _keeper(name, segment):
         with _lock:
             if _live.get(name) is not None and _live[name]() is None:
                 del _live[name]
-            if segment.refcount > 0 and name not in _idle_mappings:
+            if not segment.unlinked and name not in _idle_mappings:
                 _idle_mappings[name] = segment
                 _idle_bytes += segment.capacity
                 _drop_idle_mappings(_config.mapping_cache_bytes())
@@ -150,7 +194,7 @@ def _drop_idle_mappings(limit):
     now = time.monotonic()
     if limit == 0 or now >= _next_dead_scan:
         _next_dead_scan = now + 1.0
-        for name in [n for n, s in _idle_mappings.items() if s.refcount == 0]:
+        for name in [n for n, s in _idle_mappings.items() if s.unlinked]:
             _idle_bytes -= _idle_mappings.pop(name).capacity
     while _idle_bytes > limit and _idle_mappings:
         _idle_bytes -= _idle_mappings.popitem(last=False)[1].capacity
@@ -161,32 +205,46 @@ def _prune_live():
         del _live[name]
 
 
-# Note [Fork]: a child inherits every view but no reference. References for
-# its live views are taken in the parent before fork (afterwards the parent's
-# pool could reuse a segment before the child claims it); the child claims
-# them and forgets the parent's pool and idle mappings.
+# Note [Fork]: a child inherits every view but none of the slots: those are
+# the parent's, under the parent's id. Before fork the parent makes the
+# child's id (and its lock, which the child inherits and keeps) and takes a
+# slot for the child in every segment it has a live view of; afterwards the
+# parent's pool could reuse a segment before the child claimed it. The child
+# adopts those slots. A child that execs loses the lock (close-on-exec), so
+# its slots name a dead process and are freed like any dead holder's.
 _for_child = []
 
 
 def _before_fork():
     _lock.acquire()
-    for ref in list(_live.values()):
-        owner = ref()
-        if owner is not None and _C.segment_of(owner).try_acquire():
-            _for_child.append(owner)
+    try:
+        live = [o for o in (ref() for ref in _live.values()) if o is not None]
+        if not live:
+            return
+        child = _C.prepare_child()
+        for owner in live:
+            slot = _C.segment_of(owner).take_slot(child)
+            if slot >= 0:
+                _for_child.append((owner, slot))
+    except Exception:  # noqa: BLE001 - fork must go on; the child just holds less
+        pass
 
 
 def _after_fork_in_parent():
     _for_child.clear()
+    _C.after_fork_in_parent()
     _lock.release()
 
 
 def _after_fork_in_child():
     global _lock, _idle_bytes
     _lock = threading.RLock()  # another thread may have held it at fork
-    for owner in _for_child:
-        _C.claim_reference(owner)
-    _for_child.clear()
+    _C.after_fork_in_child()
+    if _for_child:
+        me = _C.process_id()
+        for owner, slot in _for_child:
+            _C.adopt(owner, slot, me)
+        _for_child.clear()
     _pool_segments.forget()
     _idle_mappings.clear()
     _idle_bytes = 0
@@ -194,28 +252,13 @@ def _after_fork_in_child():
 
 def _at_exit():
     # Below Queue's feeder-join finalizer (priority -5): pending messages are
-    # pickled (and may take references) before ours are dropped.
-    util.Finalize(None, disown_all, exitpriority=-100)
-    if multiprocessing.parent_process() is not None:
-        _release_on_sigterm()
+    # pickled (and may take tickets) before this process lets go.
+    util.Finalize(None, _exit, exitpriority=-100)
 
 
-def _release_on_sigterm():
-    """Pool.terminate() (and `with Pool(...)`) ends workers with SIGTERM,
-    which skips exit finalizers: release the references, then die as before.
-    Only where SIGTERM still has its default action (the application may
-    handle it), and only the main thread may set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def release_and_die(signum, frame):
-        disown_all()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, release_and_die)
+def _exit():
+    disown_all()
+    _C.remove_own_lock()
 
 
 class _Token:

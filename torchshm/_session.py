@@ -2,8 +2,11 @@
 
 A session is the process tree of the first process that imported torchshm. Its
 id travels in the environment (spawn and forkserver children inherit it) and
-names every segment, so the session reaper (_reaper.py) can sweep what SIGKILL
-or an unreceived message left behind once the whole tree is gone.
+names every segment, so the session reaper (_reaper.py) can free what a dead
+process held while the session goes on, and sweep what unreceived messages
+left behind once the whole tree is gone. A process that inherits the id but
+cannot reach the session's reaper (another network namespace) while the
+session still lives, as its lock file shows, founds a session of its own.
 """
 
 import os
@@ -14,6 +17,7 @@ import sys
 import threading
 
 from torchshm import _reaper
+from torchshm._compat import load_native
 
 ENV_VAR = "TORCHSHM_SESSION"
 _lock = threading.Lock()
@@ -27,8 +31,8 @@ def session_id():
 
 
 def segment_prefix():
-    """The start of every segment name this process creates."""
-    return f"/{_reaper.SEGMENT_PREFIX}{session_id()}_{os.getpid()}_"
+    """The start of every segment name of this session."""
+    return f"/{_reaper.SEGMENT_PREFIX}{session_id()}_"
 
 
 def join():
@@ -41,6 +45,10 @@ def join():
             return
         session = os.environ.get(ENV_VAR)
         conn = _connect(session) if session else None
+        if conn is None and session and _reaper.session_alive(session):
+            # Alive, but its reaper is out of reach (another network
+            # namespace over the same /dev/shm): never share its name.
+            session = None
         if conn is None:
             # First process of the tree, or its reaper was killed: start one.
             session = session or secrets.token_hex(6)
@@ -53,6 +61,8 @@ def join():
                 )
         os.environ[ENV_VAR] = session
         _session, _connection = session, conn
+        # This process's id and lock: made now, not inside the first send.
+        load_native().process_id()
 
 
 def _connect(session):

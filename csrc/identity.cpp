@@ -1,0 +1,141 @@
+#include "identity.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <mutex>
+#include <unordered_set>
+
+#include "errors.h"
+
+namespace torchshm {
+namespace {
+
+struct Lock {
+  uint64_t id = 0;
+  int fd = -1;
+};
+
+std::mutex mutex;  // guards everything below
+Lock self;
+Lock child;  // between prepare_child and the end of fork
+// Processes found dead; ids are never reused, so the answer never changes.
+std::unordered_set<uint64_t> dead;
+constexpr size_t kDeadCacheMax = 1 << 14;
+
+// Creates and locks a fresh lock file. It is created under a temporary name
+// and renamed once locked: a sweeper that sees the final name unlocked may
+// rightly delete it as dead.
+Lock create_lock() {
+  Lock lock;
+  lock.id = random_id();
+  const std::string tmp =
+      "/dev/shm/torchshm-new-" + std::to_string(random_id()) + ".lock";
+  lock.fd = ::open(tmp.c_str(),
+                   O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (lock.fd < 0) throw_errno(errno, "cannot create ", tmp);
+  if (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0 ||
+      ::rename(tmp.c_str(), lock_path(lock.id).c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    ::close(lock.fd);
+    throw_errno(err, "cannot lock ", tmp);
+  }
+  // The pid, for people reading /dev/shm (ids are what the protocol uses).
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::write(lock.fd, pid.data(), pid.size()) < 0) {
+    // Informational only.
+  }
+  return lock;
+}
+
+void close_lock(Lock& lock) {
+  if (lock.fd >= 0) ::close(lock.fd);
+  lock = Lock{};
+}
+
+}  // namespace
+
+uint64_t random_id(bool ticket) {
+  uint64_t value = 0;
+  while ((value & ~kTicketBit) == 0) {
+    if (::getrandom(&value, sizeof value, 0) != sizeof value)
+      throw_errno(errno, "getrandom failed");
+  }
+  return ticket ? (value | kTicketBit) : (value & ~kTicketBit);
+}
+
+std::string lock_path(uint64_t id) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "/dev/shm/torchshm-%016llx.lock",
+                static_cast<unsigned long long>(id));
+  return buf;
+}
+
+uint64_t self_id() {
+  std::lock_guard<std::mutex> guard(mutex);
+  if (self.id == 0) self = create_lock();
+  return self.id;
+}
+
+bool holder_alive(uint64_t holder) {
+  if (holder == 0) return false;
+  if (holder & kTicketBit) return true;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (holder == self.id || holder == child.id) return true;
+    if (dead.count(holder)) return false;
+  }
+  bool alive = true;
+  const int fd =
+      ::open(lock_path(holder).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    // Another user's lock we may not read counts as alive: never free memory
+    // on a guess.
+    alive = errno != ENOENT;
+  } else {
+    // Our own shared lock, released by close, succeeds only if nobody holds
+    // the owner's exclusive one.
+    alive = ::flock(fd, LOCK_SH | LOCK_NB) != 0;
+    ::close(fd);
+  }
+  if (!alive) {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (dead.size() >= kDeadCacheMax) dead.clear();
+    dead.insert(holder);
+  }
+  return alive;
+}
+
+uint64_t prepare_child() {
+  std::lock_guard<std::mutex> guard(mutex);
+  if (child.id == 0) child = create_lock();
+  return child.id;
+}
+
+void after_fork_in_parent() {
+  std::lock_guard<std::mutex> guard(mutex);
+  close_lock(child);  // the child's descriptor keeps its lock
+}
+
+void after_fork_in_child() {
+  // Another thread of the parent may have held the mutex at fork.
+  new (&mutex) std::mutex();
+  if (self.fd >= 0) ::close(self.fd);  // the parent's lock must die with it
+  self = child;
+  child = Lock{};
+  dead.clear();
+}
+
+void remove_own_lock() {
+  std::lock_guard<std::mutex> guard(mutex);
+  if (self.id == 0) return;
+  ::unlink(lock_path(self.id).c_str());
+  close_lock(self);
+}
+
+}  // namespace torchshm

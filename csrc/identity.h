@@ -1,0 +1,51 @@
+// Who holds a segment, and whether that holder is still alive.
+//
+// Every process that holds torchshm memory has a random 63-bit id, fresh after
+// fork, and a lock file /dev/shm/torchshm-<id>.lock on which it holds an
+// exclusive flock for its whole life. The kernel drops the lock when the
+// process dies, however it dies, so any process that shares this /dev/shm (a
+// container with --ipc=host, another network or PID namespace) can tell
+// whether a holder lives: a lock it can take, or a missing file, means dead.
+// Ids are never reused, so a stale id can never name a new process.
+//
+// A holder word in a segment's slot (segment.h) is either such a process id
+// or kTicketBit | nonce: a message in flight, which lives as long as the
+// sender's session (the session reaper ends it).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace torchshm {
+
+constexpr uint64_t kTicketBit = 1ULL << 63;
+
+// A random non-zero id below kTicketBit (or, with ticket=true, a ticket word).
+uint64_t random_id(bool ticket = false);
+
+// /dev/shm/torchshm-<16 hex digits>.lock
+std::string lock_path(uint64_t id);
+
+// This process's id; the first call creates and locks its lock file.
+uint64_t self_id();
+
+// Whether a holder word names a live holder: tickets are alive (their session
+// decides), a process is alive while its lock is held. Thread-safe.
+bool holder_alive(uint64_t holder);
+
+// Fork support (Note [Fork] in torchshm/_segments.py). Before fork the parent
+// creates the child's id and lock; the child inherits the locked descriptor,
+// so the lock dies with the child whether it execs (the descriptor is
+// close-on-exec) or not. After fork the parent closes its copy; the child
+// adopts the id and closes the parent's lock descriptor.
+uint64_t prepare_child();
+void after_fork_in_parent();
+void after_fork_in_child();
+
+// Removes this process's lock file (a clean exit, after every slot it held
+// was released).
+void remove_own_lock();
+
+}  // namespace torchshm
