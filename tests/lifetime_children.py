@@ -1,0 +1,64 @@
+"""Child targets for test_lifetime.py (module top level: spawn imports them)."""
+
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+
+import torchshm
+from torchshm import _C
+
+
+def load_and_hold(data, outbox, release):
+    """Loads message bytes, reports what it sees, and holds the result until
+    `release` is set; then checks the data never changed under it."""
+    array = pickle.loads(data)
+    outbox.put((float(array[0]), float(array[-1]), torchshm.is_shared(array)))
+    release.wait(60)
+    outbox.put((float(array[0]), float(array[-1])))
+
+
+def make_segments_and_wait(outbox, count, nbytes):
+    """Creates `count` segments that only this process holds, reports their
+    names, and waits to be killed."""
+    held = [
+        torchshm.share(np.full(nbytes // 8, i, dtype=np.float64)) for i in range(count)
+    ]
+    names = sorted({_C.segment_of(a.base).name.lstrip("/") for a in held})
+    outbox.put(names)
+    time.sleep(120)
+
+
+def pool_square(x):
+    return x * x
+
+
+def copy_under_thread_limit(nbytes):
+    """Run as an unprivileged user: caps this user's threads at what exists,
+    so that no copy thread can start, then copies with 4 threads asked."""
+    import resource
+
+    import torch
+
+    uid = os.getuid()
+    tasks = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                st = os.stat(f"/proc/{pid}")
+                if st.st_uid == uid:
+                    tasks += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
+    src = np.arange(nbytes, dtype=np.uint8)
+    dest = torch.zeros(nbytes, dtype=torch.int8)
+    _C.copy_extent(src, dest, 0, 4)
+    ok = bool((dest.numpy().view(np.uint8) == src).all())
+    print("ok" if ok else "mismatch", flush=True)
+
+
+if __name__ == "__main__":
+    copy_under_thread_limit(int(sys.argv[1]))

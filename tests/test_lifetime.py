@@ -1,0 +1,461 @@
+"""The lifetime protocol (Note [Segment lifetime] in csrc/segment.h): no load
+ever sees other data, no holder is confused with another, and memory comes
+back promptly when its holders die. One test per item of issue 9."""
+
+import errno
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+
+import torchshm
+from tests import lifetime_children
+from tests.conftest import TIMEOUT
+from torchshm import _C, _reaper, _segments, _session
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dumps(obj):
+    return bytes(ForkingPickler.dumps(obj))
+
+
+def segment(array):
+    return _C.segment_of(torchshm._reduction._root_of(array)[0])
+
+
+def segment_named_in(data):
+    """The segment name a message's bytes carry."""
+    return re.search(rb"/torchshm_[0-9a-f]+_[0-9a-f]{16}_[0-9]+", data).group().decode()
+
+
+def delta(before, key):
+    return torchshm.stats()[key] - before[key]
+
+
+def shm_names():
+    return set(os.listdir("/dev/shm"))
+
+
+def wait_until(predicate, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# 1. Silent wrong data -------------------------------------------------------
+
+
+def test_resending_a_slice_of_a_received_base_keeps_its_offset():
+    received = pickle.loads(dumps(np.arange(4096, dtype=np.float32)))
+    sub = received.base[64:].view(torch.float32).numpy()  # starts at element 16
+    again = pickle.loads(dumps(sub))
+    np.testing.assert_array_equal(again, sub)
+    assert again[0] == 16.0 and np.shares_memory(again, received)
+
+
+def test_a_message_loaded_twice_in_one_process_never_sees_reused_memory():
+    data = dumps(np.full(50_000, 1.0))
+    first, second = pickle.loads(data), pickle.loads(data)
+    assert (first == 1).all() and (second == 1).all()
+    del first, second
+    gc.collect()
+    # The sender's pool may now reuse the segment for another message.
+    before = torchshm.stats()
+    other = pickle.loads(dumps(np.full(50_000, 2.0)))
+    assert delta(before, "segments_reused") == 1
+    with pytest.raises(OSError, match="no longer holds this message") as raised:
+        pickle.loads(data)
+    assert raised.value.errno == errno.ESTALE
+    assert (other == 2).all()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_one_message_loaded_by_two_processes_is_never_overwritten(method):
+    ctx = mp.get_context(method)
+    data = dumps(np.full(50_000, 7.0))
+    outbox, release = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=lifetime_children.load_and_hold, args=(data, outbox, release)
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        seen = [outbox.get(timeout=TIMEOUT) for _ in procs]
+        assert seen == [(7.0, 7.0, True)] * 2
+        gc.collect()
+        # Both still hold the memory: the pool must not hand it out again.
+        held = segment_named_in(data)
+        for _ in range(3):
+            assert segment(pickle.loads(dumps(np.full(50_000, 9.0)))).name != held
+        release.set()
+        assert [outbox.get(timeout=TIMEOUT) for _ in procs] == [(7.0, 7.0)] * 2
+    finally:
+        release.set()
+        for p in procs:
+            p.join(TIMEOUT)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_segment_names_are_unique_per_process_not_per_pid():
+    received = pickle.loads(dumps(np.ones(10_000)))
+    name = segment(received).name
+    me = f"{_C.process_id():016x}"
+    assert name.split("_")[2] == me  # /torchshm_<session>_<process id>_<n>
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child has the same counter but another id
+        os.close(r)
+        os.write(w, f"{_C.process_id():016x}".encode())
+        os._exit(0)
+    os.close(w)
+    child_id = os.read(r, 64).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert child_id != me and len(child_id) == 16
+
+
+def test_a_cached_mapping_of_a_dead_segment_is_dropped():
+    data = dumps(np.ones(20_000))
+    received = pickle.loads(data)
+    name = segment(received).name
+    del received
+    gc.collect()
+    # Idle: the receiver keeps the mapping for reuse ...
+    mapping = _segments._idle_mappings.get(name) or _segments._pool_segments.get(name)
+    assert mapping is not None
+    mapping.unlink()  # ... until the segment dies
+    torchshm.trim()
+    assert name not in _segments._idle_mappings
+
+
+def test_nested_pickling_gives_each_byte_string_its_own_ticket():
+    x = np.arange(50_000.0)
+
+    class Nested:
+        def __reduce__(self):
+            return bytes, (dumps(x),)  # a dumps inside the outer dumps
+
+    outer = pickle.loads(dumps([x, Nested()]))
+    seg = segment(outer[0])
+    inner = pickle.loads(outer[1])
+    np.testing.assert_array_equal(inner, x)
+    assert np.shares_memory(inner, outer[0])
+    # The outer message's ticket was claimed and the inner one cancelled:
+    # nothing is left in flight.
+    assert seg.holders == 2  # the pool and this process's view
+    del outer, inner
+    gc.collect()
+    before = torchshm.stats()
+    pickle.loads(dumps(np.zeros(50_000)))
+    assert delta(before, "segments_reused") == 1
+
+
+# 6. Containers and other users ----------------------------------------------
+
+
+def _root_with(*tools):
+    if os.geteuid() != 0:
+        return "needs root (setpriv/unshare/chown)"
+    for tool in tools:
+        if shutil.which(tool) is None:
+            return f"{tool} (util-linux) is not installed"
+    return None
+
+
+def _import_torchshm_in(wrapper, env):
+    code = (
+        "import torchshm, numpy, pickle;"
+        "from multiprocessing.reduction import ForkingPickler as F;"
+        "pickle.loads(F.dumps(numpy.ones(10000)));"
+        "from torchshm import _session; print(_session.session_id())"
+    )
+    run = subprocess.run(
+        [*wrapper, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+@pytest.mark.skipif(
+    _root_with("unshare") is not None, reason=str(_root_with("unshare"))
+)
+@pytest.mark.parametrize("inherit_session", [True, False])
+def test_another_network_namespace_never_sweeps_a_live_session(inherit_session):
+    held = torchshm.share(np.full(100_000, 5.0))
+    name = segment(held).name.lstrip("/")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if not inherit_session:
+        env.pop(_session.ENV_VAR, None)
+    # A container with its own network namespace over the same /dev/shm.
+    other = _import_torchshm_in(["unshare", "-n"], env)
+    assert other != _session.session_id()
+    time.sleep(_reaper.GRACE_SECONDS + 1.5)  # its reaper swept and left
+    assert name in shm_names()
+    again = pickle.loads(dumps(held))
+    assert (again == 5.0).all()
+
+
+@pytest.mark.skipif(_root_with() is not None, reason=str(_root_with()))
+def test_attach_refuses_a_segment_of_another_user_or_mode(tmp_path):
+    received = pickle.loads(dumps(np.ones(10_000)))
+    path = "/dev/shm" + segment(received).name
+    try:
+        os.chmod(path, 0o644)
+        with pytest.raises(OSError, match="refusing to map") as raised:
+            _C.Segment.attach(segment(received).name)
+        assert raised.value.errno == errno.EACCES
+        os.chmod(path, 0o600)
+        os.chown(path, 65534, 65534)
+        with pytest.raises(OSError, match="not a regular file of this user"):
+            _C.Segment.attach(segment(received).name)
+    finally:
+        os.chown(path, 0, 0)
+
+
+@pytest.mark.skipif(_root_with() is not None, reason=str(_root_with()))
+def test_sweeping_never_touches_another_users_files():
+    # A dead session's segment that belongs to someone else.
+    name = f"torchshm_deadbeef0000_{'1' * 16}_0"
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8192)
+    os.chown(path, 65534, 65534)
+    try:
+        _reaper.sweep_orphans(_session.session_id())
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+# 7. The reaper ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
+)
+def test_the_reaper_refuses_other_users():
+    # An abstract address: a NUL, then the name (argv cannot carry the NUL).
+    name = _reaper.address(_session.session_id())[1:]
+    code = (
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_UNIX);s.settimeout(10)\n"
+        "s.connect('\\0'+sys.argv[1])\n"
+        "print(len(s.recv(1)))\n"
+    )
+    run = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        + [sys.executable, "-S", "-c", code, name],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "0"  # closed at once: EOF
+
+
+def test_the_reaper_survives_running_out_of_fds():
+    session = "f100d" + os.urandom(4).hex()
+    reaper = (
+        subprocess.Popen(
+            ["prlimit", "--nofile=24:24", sys.executable, "-I", "-S", _reaper.__file__]
+            + [session],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if shutil.which("prlimit")
+        else None
+    )
+    if reaper is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    try:
+        assert reaper.stdout.read(1) == b"1"
+        flood = []
+        for _ in range(60):  # more than it can accept
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(_reaper.address(session))
+            flood.append(s)
+        time.sleep(1.0)
+        assert reaper.poll() is None, "the reaper died of EMFILE"
+        for s in flood:
+            s.close()
+        # Still serving: a new client is accepted, and after it leaves the
+        # reaper sweeps and exits.
+        late = socket.socket(socket.AF_UNIX)
+        late.connect(_reaper.address(session))
+        late.close()
+        reaper.wait(TIMEOUT)
+        assert reaper.returncode == 0
+        assert not any(session in n for n in shm_names())
+    finally:
+        if reaper.poll() is None:
+            reaper.kill()
+        reaper.stdout.close()
+
+
+# 8. Death releases promptly ----------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_killed_process_frees_what_only_it_held_within_5_s(method):
+    ctx = mp.get_context(method)
+    outbox = ctx.Queue()
+    p = ctx.Process(
+        target=lifetime_children.make_segments_and_wait, args=(outbox, 8, 400_000)
+    )
+    p.start()
+    try:
+        names = outbox.get(timeout=TIMEOUT)
+        assert len(names) == 8 and set(names) <= shm_names()
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(TIMEOUT)
+        killed_at = time.monotonic()
+        # This process, the session's root, stays alive throughout.
+        assert wait_until(lambda: not set(names) & shm_names(), 5.0), sorted(
+            set(names) & shm_names()
+        )
+        assert time.monotonic() - killed_at < 5.0
+    finally:
+        if p.is_alive():
+            p.kill()
+        outbox.close()
+
+
+def test_a_dead_receivers_slot_does_not_block_reuse():
+    data = dumps(np.full(50_000, 1.0))
+    pid = os.fork()
+    if pid == 0:
+        held = pickle.loads(data)  # noqa: F841 - holds a slot, then dies
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    gc.collect()
+    before = torchshm.stats()
+    _segments._pool_segments._next_thorough_scan = 0  # due now (once a second)
+    again = pickle.loads(dumps(np.full(50_000, 2.0)))
+    assert (again == 2.0).all()
+    assert delta(before, "segments_reused") == 1
+
+
+# 11. Signals, fork, threads and bounds ---------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_with_pool_never_hangs(method):
+    """torchshm installs no signal handler: Pool.terminate() ends workers as
+    promptly as without it (the stress script runs 500 rounds)."""
+    ctx = mp.get_context(method)
+    rounds = 40 if method == "fork" else 4
+    for _ in range(rounds):
+        with ctx.Pool(3) as pool:
+            result = pool.map_async(lifetime_children.pool_square, range(3))
+            assert result.get(TIMEOUT) == [0, 1, 4]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_fork_then_exec_leaves_no_holders():
+    received = pickle.loads(dumps(np.full(50_000, 3.0)))
+    seg = segment(received)
+    holders = seg.holders
+    for _ in range(3):
+        subprocess.run(["true"], check=True, timeout=TIMEOUT)
+        subprocess.run(["true"], check=True, timeout=TIMEOUT, preexec_fn=lambda: None)
+        pid = os.fork()
+        if pid == 0:
+            os.execv("/bin/true", ["true"])
+        os.waitpid(pid, 0)
+    assert seg.holders > holders  # slots taken for the children that forked
+    del received
+    gc.collect()
+    # Children that exec'd hold nothing once gone: only the pool is left.
+    assert not seg.has_live_holder(0)
+    assert seg.holders == 1
+
+
+@pytest.mark.skipif(
+    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
+)
+def test_a_copy_whose_threads_cannot_start_still_completes():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    run = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        + [sys.executable, "-m", "tests.lifetime_children", str(64 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "offset,shape,strides",
+    [
+        (2**63 - 1, (2,), (8,)),
+        (0, (3,), (2**62,)),
+        (0, (2**62, 4), (8, 2**61)),
+        (64, (2,), (-(2**62),)),
+        (-8, (1,), (8,)),
+        (0, (-1,), (8,)),
+    ],
+)
+def test_crafted_views_fail_cleanly(offset, shape, strides):
+    owner = torch.zeros(4096, dtype=torch.int8)
+    with pytest.raises(RuntimeError):
+        _C.wrap_ndarray(owner, offset, np.dtype("<f8"), shape, strides, True)
+    from torchshm._reduction import rebuild_ndarray
+
+    with pytest.raises(RuntimeError):
+        rebuild_ndarray(owner, offset, "<f8", shape, strides, True, None)
+
+
+def test_the_file_system_branch_stays_inside_the_guard(monkeypatch):
+    import torch.multiprocessing as tmp
+
+    from torchshm import _reduction
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        t = torch.arange(10_000, dtype=torch.float64).share_memory_()
+        view = t.numpy()[10:]
+
+        def broken(storage):
+            raise RuntimeError("torch's reducer failed")
+
+        monkeypatch.setitem(
+            ForkingPickler._extra_reducers, type(_reduction.untyped_storage(t)), broken
+        )
+        monkeypatch.setattr(_reduction, "_warned", set())
+        with pytest.warns(RuntimeWarning, match="pickling it by value"):
+            again = pickle.loads(dumps(view))
+        np.testing.assert_array_equal(again, view)
+    finally:
+        tmp.set_sharing_strategy(old)
