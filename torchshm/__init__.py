@@ -20,6 +20,7 @@ from torchshm._dataloader import (  # noqa: E402
     convert,
     worker_init_fn,
 )
+from torchshm._handles import HandleError, dumps, loads, release  # noqa: E402
 from torchshm._reduction import is_shared  # noqa: E402
 from torchshm._registry import (  # noqa: E402
     disabled,
@@ -42,11 +43,15 @@ __all__ = [
     "convert",
     "datapipe_worker_init_fn",
     "disabled",
+    "dumps",
     "get_threshold",
+    "HandleError",
     "in_workers",
     "is_registered",
     "is_shared",
+    "loads",
     "register",
+    "release",
     "reset_stats",
     "set_threshold",
     "share",

@@ -1,0 +1,183 @@
+"""torchshm.dumps / loads / release: handles loaded by many processes, each
+its own torchshm session (tests/node_children.py)."""
+
+import errno
+import gc
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import torchshm
+from tests.conftest import TIMEOUT
+from torchshm import _session
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NBYTES = 16 << 20
+LOADERS = 8
+
+
+def child_env():
+    """Each child founds its own session, like a separately launched rank."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop(_session.ENV_VAR, None)
+    return env
+
+
+def start(*args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.node_children", *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=child_env(),
+    )
+
+
+def read_line(proc, expect):
+    line = proc.stdout.readline().split()
+    assert line and line[0] == expect, (line, proc.stderr.read()[-3000:])
+    return line
+
+
+def tell(proc, command):
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+
+
+def finish(proc):
+    proc.stdin.close()
+    try:
+        rc = proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    err = proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
+    assert rc == 0, err[-3000:]
+
+
+def segments_of(sessions):
+    return sorted(
+        n
+        for n in os.listdir("/dev/shm")
+        if any(n.startswith(f"torchshm_{s}_") for s in sessions)
+    )
+
+
+def wait_gone(sessions, seconds=20):
+    deadline = time.monotonic() + seconds
+    while segments_of(sessions) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return segments_of(sessions)
+
+
+def late_load(path):
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.node_children", "try_load", path],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=child_env(),
+        timeout=TIMEOUT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("exporter_exits", ["first", "last"])
+def test_one_handle_eight_loaders(tmp_path, exporter_exits):
+    path = str(tmp_path / "handle")
+    exporter = start("exporter", NBYTES, path)
+    procs = [exporter]
+    try:
+        _, exporter_session, exporter_pid = read_line(exporter, "ready")
+        sessions = {exporter_session}
+        loaders = [start("loader", path, NBYTES) for _ in range(LOADERS)]
+        procs += loaders
+        for proc in loaders:  # all load concurrently, then report
+            sessions.add(read_line(proc, "loaded")[1])
+        assert len(sessions) == LOADERS + 1  # one session each
+
+        if exporter_exits == "first":
+            tell(exporter, "exit")
+            read_line(exporter, "bye")
+            finish(exporter)
+            late = late_load(path)
+            assert late["errno"] in (errno.ESTALE, errno.ENOENT), late
+            assert f"pid {exporter_pid} " in late["message"], late
+            assert "torchshm process id" in late["message"], late
+        else:
+            # Release the handle and send arrays of the same size: a pool
+            # that reused any loader's memory would overwrite it.
+            tell(exporter, "churn")
+            read_line(exporter, "churned")
+            late = late_load(path)
+            assert late["errno"] == errno.ESTALE, late
+            assert "released" in late["message"], late
+            assert f"pid {exporter_pid} " in late["message"], late
+
+        order = list(loaders)
+        random.shuffle(order)
+        for proc in order:
+            tell(proc, "check")  # the data is still the exporter's
+            read_line(proc, "checked")
+            finish(proc)
+        if exporter_exits == "last":
+            tell(exporter, "exit")
+            read_line(exporter, "bye")
+            finish(exporter)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert wait_gone(sessions) == []
+
+
+def test_dumps_loads_in_process_and_release():
+    obj = {"a": np.arange(100_000), "b": [np.ones(500), "text"], "c": 3}
+    handle = torchshm.dumps(obj)
+    assert isinstance(handle, bytes)
+    first, second = torchshm.loads(handle), pickle.loads(handle)
+    for got in (first, second):
+        assert np.array_equal(got["a"], obj["a"]) and got["b"][1] == "text"
+        assert torchshm.is_shared(got["a"])
+    # A dict cannot be weakly referenced: the handle lives until release.
+    assert torchshm.release(handle) is True
+    assert torchshm.release(handle) is False
+    with pytest.raises(torchshm.HandleError) as info:
+        torchshm.loads(handle)
+    assert info.value.errno == errno.ESTALE
+    assert f"pid {os.getpid()} " in str(info.value)
+    # Loaded objects keep their data.
+    assert np.array_equal(first["a"], np.arange(100_000))
+
+
+def test_a_handle_lives_as_long_as_its_array():
+    array = np.arange(200_000, dtype=np.float64)
+    handle = torchshm.dumps(array)
+    array[:] = -1  # a snapshot: later changes are not seen
+    assert torchshm.loads(handle)[5] == 5.0
+    del array
+    gc.collect()
+    with pytest.raises(torchshm.HandleError, match="released"):
+        torchshm.loads(handle)
+
+
+def test_not_a_handle():
+    with pytest.raises(ValueError):
+        torchshm.loads(pickle.dumps({"x": 1}))
+    with pytest.raises(ValueError):
+        torchshm.release(b"garbage")

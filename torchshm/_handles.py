@@ -1,0 +1,278 @@
+"""torchshm.dumps / loads / release: handles that any process of this user on
+this node may load, any number of times, while their exporter keeps them.
+
+A ForkingPickler message is meant to be loaded once (its tickets, Note
+[Segment lifetime] in csrc/segment.h): a second load is valid only while the
+sender has not reused the memory. A handle is different: its exporter pins
+every segment the handle names (it holds a view of each, so its pool never
+reuses them and they are never unlinked) until the handle is released. So:
+
+- dumps(obj) pickles obj with torchshm's reducers (fresh arrays are
+  snapshotted once, shared ones go by reference) without tickets: every load
+  takes a slot of its own and checks the segment's generation, which cannot
+  change while the exporter pins it.
+- The exporter keeps the pins while it keeps `obj` (weakref.finalize), or,
+  when obj cannot be weakly referenced (a dict, a list), until
+  release(handle) or its exit.
+- Whether a handle is still valid is one word in a small "cell" segment of
+  the exporter: a random token, set by dumps and cleared by release. A load
+  checks that the exporter's process is alive and the token still there
+  before it maps anything, so a load after release or exit fails with
+  HandleError naming the exporter. Validity is the exporter's decision
+  alone: other processes that loaded the handle keep their own data readable
+  (their slots keep the memory), but do not make the handle valid again.
+"""
+
+import errno
+import io
+import os
+import pickle
+import secrets
+import socket
+import threading
+import weakref
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+
+from torchshm import _reduction, _registry, _segments, _session
+from torchshm._compat import load_native
+
+_C = load_native()
+
+FORMAT = 1
+_CELL_BYTES = 64 << 10  # one cell segment: 8192 handles of this process
+_lock = threading.Lock()
+_cells = []  # [(int8 tensor over a cell segment, its words as uint64)]
+_free = []  # (cell number, word index) pairs released for reuse
+_exports = {}  # token -> _Export
+
+
+class HandleError(OSError):
+    """A handle that can no longer be loaded: its exporter released it or
+    exited, or this process does not see the exporter's /dev/shm. `.errno` is
+    ESTALE (released, exporter gone) or ENOENT (nothing by that name here)."""
+
+
+class _Export:
+    __slots__ = ("pins", "cell", "index", "token", "finalizer")
+
+    def __init__(self, pins, cell, index, token):
+        self.pins, self.cell, self.index, self.token = pins, cell, index, token
+        self.finalizer = None
+
+
+def _exporter():
+    """Who exports, as handles and error messages name it."""
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "process_id": _C.process_id(),
+        "session": _session.session_id(),
+    }
+
+
+def _describe(exporter):
+    return (
+        f"pid {exporter['pid']} on {exporter['host']}"
+        f" (torchshm process id {exporter['process_id']:016x},"
+        f" session {exporter['session']})"
+    )
+
+
+class _HandlePickler(ForkingPickler):
+    """ForkingPickler with torchshm's reducers whatever the registration, that
+    names segments without tickets and remembers which it named."""
+
+    def __init__(self, file):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        for t in _registry.TYPES:
+            self.dispatch_table[t] = _reduction.reduce_ndarray
+        self.pins = {}  # segment name -> the tensor over it that we hold
+
+    def reducer_override(self, obj):
+        if type(obj) is _reduction._SegmentRef:
+            segment = _C.segment_of(obj.owner)
+            self.pins.setdefault(segment.name, obj.owner)
+            return _reduction.attach_segment, (obj.name, 0, segment.generation)
+        return NotImplemented
+
+
+def _new_cell():
+    """(cell number, word index) of a free word, allocating a cell segment
+    when every word is taken. Call with _lock held."""
+    if _free:
+        return _free.pop()
+    owner = _segments.allocate(_CELL_BYTES)
+    words = owner.numpy()[:_CELL_BYTES].view(np.uint64)
+    words[:] = 0
+    _cells.append((owner, words))
+    number = len(_cells) - 1
+    # Word 0 of each cell stays unused: an index is never 0.
+    _free.extend((number, i) for i in range(len(words) - 1, 0, -1))
+    return _free.pop()
+
+
+def dumps(obj):
+    """Bytes that torchshm.loads() turns into an equivalent of `obj`, in any
+    process of this user on this node, any number of times, for as long as
+    this process keeps `obj` alive (if it can be weakly referenced; else until
+    release() or exit). Arrays are snapshotted now (shared ones are not
+    copied again); later changes to a fresh `obj` are not seen by loaders,
+    while changes to a torchshm.share()d object are. torch tensors inside obj
+    follow torch's own sharing rules (under the default file_descriptor
+    strategy a tensor can be loaded only once, while its sender lives):
+    convert them to numpy or share them as arrays."""
+    _session.join()
+    buffer = io.BytesIO()
+    pickler = _HandlePickler(buffer)
+    pickler.dump(obj)
+    payload = buffer.getvalue()
+    pins = list(pickler.pins.values())
+    del pickler
+    token = secrets.randbits(63) | 1
+    with _lock:
+        number, index = _new_cell()
+        cell_owner, words = _cells[number]
+        export = _Export(pins, number, index, token)
+        _exports[token] = export
+        words[index] = token
+    cell = _C.segment_of(cell_owner)
+    try:
+        export.finalizer = weakref.finalize(obj, _drop, token)
+        export.finalizer.atexit = False
+    except TypeError:
+        pass  # not weakly referenceable: until release() or exit
+    header = (FORMAT, _exporter(), cell.name, cell.generation, index, token)
+    return pickle.dumps(_HandleData(header, payload), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data):
+    """The object a torchshm.dumps() handle names (see dumps). Raises
+    HandleError, naming the exporter, once the handle was released or its
+    exporter exited, or where its shared memory cannot be seen."""
+    handle = _peek(data)
+    if handle is None:
+        raise ValueError("torchshm.loads: not a torchshm.dumps() handle")
+    return _load(*handle)
+
+
+def release(data):
+    """Ends a handle made by this process: later loads fail, and the memory
+    it pinned goes back to the pool once every loader dropped it (objects
+    already loaded keep their data). True if this process exported it and it
+    was live; False otherwise (another process's handle, or released)."""
+    handle = _peek(data)
+    if handle is None:
+        raise ValueError("torchshm.release: not a torchshm.dumps() handle")
+    (_fmt, exporter, _cell, _generation, _index, token), _payload = handle
+    if exporter["process_id"] != _C.process_id():
+        return False
+    return _drop(token)
+
+
+def _drop(token):
+    with _lock:
+        export = _exports.pop(token, None)
+        if export is None:
+            return False
+        words = _cells[export.cell][1]
+        words[export.index] = 0
+        _free.append((export.cell, export.index))
+        export.pins = None
+    if export.finalizer is not None:
+        export.finalizer.detach()
+    return True
+
+
+def live_handles():
+    """How many handles this process exports now."""
+    with _lock:
+        return len(_exports)
+
+
+class _HandleData:
+    """What a handle's bytes hold; unpickling one loads it, so a handle also
+    works with pickle.loads and inside other pickles."""
+
+    __slots__ = ("header", "payload")
+
+    def __init__(self, header, payload):
+        self.header, self.payload = header, payload
+
+    def __reduce__(self):
+        return load_handle, (self.header, self.payload)
+
+
+def load_handle(header, payload):
+    """Unpickles a handle: loads it (the wire format names this function)."""
+    return _load(header, payload)
+
+
+class _Peeker(pickle.Unpickler):
+    """Reads a handle's header and payload without loading it."""
+
+    def find_class(self, module, name):
+        if (module, name) == (__name__, "load_handle"):
+            return lambda header, payload: (header, payload)
+        raise pickle.UnpicklingError(f"not a torchshm handle ({module}.{name})")
+
+
+def _peek(data):
+    try:
+        handle = _Peeker(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - any malformed input: not a handle
+        return None
+    if not (isinstance(handle, tuple) and len(handle) == 2):
+        return None
+    header = handle[0]
+    if not (isinstance(header, tuple) and len(header) == 6 and header[0] == FORMAT):
+        return None
+    return handle
+
+
+def _load(header, payload):
+    _fmt, exporter, cell_name, cell_generation, index, token = header
+    who = _describe(exporter)
+    _session.join()
+    try:
+        cell = _segments.attach(cell_name, 0, cell_generation)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise HandleError(
+                errno.ENOENT,
+                f"torchshm: handle exported by {who} cannot be loaded here:"
+                f" its shared memory is gone from this process's /dev/shm (the"
+                f" exporter exited, or this is another host or container;"
+                f" this is pid {os.getpid()} on {socket.gethostname()})",
+            ) from None
+        if exc.errno == errno.ESTALE:
+            raise _released(who) from None
+        raise
+    valid = cell.numpy()[index * 8 : index * 8 + 8].view(np.uint64)[0] == token
+    del cell
+    if not _C.holder_alive(exporter["process_id"]):
+        raise HandleError(
+            errno.ESTALE,
+            f"torchshm: handle exported by {who} is no longer valid: the"
+            " exporter has exited (objects loaded before keep their data;"
+            " ask a live process to export it again)",
+        )
+    if not valid:
+        raise _released(who)
+    try:
+        return pickle.loads(payload)
+    except OSError as exc:
+        # The exporter released it between the check and the load: the
+        # segment's generation or name says so (never other data).
+        if exc.errno in (errno.ESTALE, errno.ENOENT):
+            raise _released(who) from exc
+        raise
+
+
+def _released(who):
+    return HandleError(
+        errno.ESTALE,
+        f"torchshm: handle exported by {who} is no longer valid: the exporter"
+        " released it (torchshm.release, or the exported object was freed)",
+    )
