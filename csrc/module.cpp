@@ -3,6 +3,7 @@
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
+#include "budget.h"
 #include "errors.h"
 #include "identity.h"
 #include "ndarray.h"
@@ -64,7 +65,7 @@ PYBIND11_MODULE(_C, m) {
       .def("take_slot", &Segment::take_slot, py::arg("holder"))
       .def("release_slot", &Segment::release_slot, py::arg("slot"),
            py::arg("holder"))
-      .def("issue_ticket", &Segment::issue_ticket)
+      .def("issue_ticket", &Segment::issue_ticket, py::arg("channel") = 0)
       .def("claim_ticket", &Segment::claim_ticket, py::arg("ticket"),
            py::arg("holder"))
       .def("cancel_ticket", &Segment::cancel_ticket, py::arg("ticket"))
@@ -99,6 +100,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensor"), py::arg("slot"), py::arg("holder"),
       "Makes a view own a slot taken for this process (a forked child's "
       "inherited view).");
+
+  py::class_<torchshm::Budget, std::shared_ptr<torchshm::Budget>>(m, "Budget")
+      .def_static("open", &torchshm::Budget::open, py::arg("path"))
+      .def("set", &torchshm::Budget::set, py::arg("holder"), py::arg("bytes"))
+      .def("total", &torchshm::Budget::total);
 
   m.def("process_id", &torchshm::self_id);
   m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));

@@ -17,16 +17,20 @@ constexpr uint64_t kMagic = 0x326d687368637274ULL;  // "trchshm2"
 // The layout torchshm/_reaper.py reads too (it has no native code): keep the
 // offsets there in step.
 struct Header {
-  uint64_t magic;                       // 0, written last at creation
-  int64_t capacity;                     // 8
-  uint64_t creator;                     // 16
-  std::atomic<uint64_t> generation;     // 24
-  std::atomic<uint32_t> unlinked;       // 32
-  uint32_t reserved[7];                 // 36
-  std::atomic<uint64_t> slots[kSlots];  // 64
+  uint64_t magic;                          // 0, written last at creation
+  int64_t capacity;                        // 8
+  uint64_t creator;                        // 16
+  std::atomic<uint64_t> generation;        // 24
+  std::atomic<uint32_t> unlinked;          // 32
+  uint32_t reserved[7];                    // 36
+  std::atomic<uint64_t> slots[kSlots];     // 64
+  std::atomic<uint64_t> channels[kSlots];  // 64 + 8 * kSlots
+  std::atomic<uint64_t> verdicts[kSlots];  // 64 + 16 * kSlots
 };
-static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its page");
+static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its pages");
 static_assert(offsetof(Header, slots) == 64, "the reaper reads slots at 64");
+static_assert(offsetof(Header, verdicts) == 64 + 16 * kSlots,
+              "the reaper writes verdicts there");
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "a cross-process slot must be lock-free");
 
@@ -138,9 +142,14 @@ void Segment::release_slot(int slot, uint64_t holder) {
   if (!has_live_holder()) unlink();
 }
 
-uint64_t Segment::issue_ticket() {
+uint64_t Segment::issue_ticket(uint64_t channel) {
   const uint64_t ticket = random_id(/*ticket=*/true);
-  return take_slot(ticket) < 0 ? 0 : ticket;
+  const int slot = take_slot(ticket);
+  if (slot < 0) return 0;
+  // A reader may see the previous ticket's channel for an instant; the
+  // reaper judges a channel only after it stayed closed for a whole scan.
+  header()->channels[slot].store(channel);
+  return ticket;
 }
 
 int Segment::claim_ticket(uint64_t ticket, uint64_t holder) {
@@ -170,8 +179,13 @@ bool Segment::has_live_holder(int except_slot) {
   for (int i = 0; i < kSlots; ++i) {
     uint64_t word = slots[i].load();
     if (i == except_slot || word == 0) continue;
-    if (holder_alive(word)) return true;
-    slots[i].compare_exchange_strong(word, 0);  // a dead process's slot
+    // A ticket the reaper found dead (its pipe is closed everywhere). A
+    // receiver that claimed it first turned the word into its own id, so
+    // this CAS then fails and the receiver keeps its slot.
+    const bool dead_ticket =
+        (word & kTicketBit) && header()->verdicts[i].load() == word;
+    if (!dead_ticket && holder_alive(word)) return true;
+    slots[i].compare_exchange_strong(word, 0);  // a dead holder's slot
   }
   return false;
 }

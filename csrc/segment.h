@@ -1,34 +1,63 @@
-// A named POSIX shared-memory segment whose first page records who holds it,
+// A named POSIX shared-memory segment whose first pages record who holds it,
 // and the int8 torch tensors ("views") that expose its data.
 //
 // Note [Segment lifetime]
-// Header: magic, capacity, a generation, an `unlinked` flag and 504 holder
-// slots. A slot holds one holder word (identity.h): a process id, or a ticket
-// (kTicketBit | nonce) for one message in flight. Every change is one
+// Header: magic, capacity, the creator's id, a generation, an `unlinked` flag
+// and 336 holder slots. A slot holds one holder word (identity.h): a process
+// id, or a ticket (kTicketBit | nonce) for one message in flight. Beside each
+// slot: the pipe a ticket's message was written to (its inode, 0 if unknown)
+// and the reaper's verdict (a ticket word it found dead). Every change is one
 // compare-and-swap on one slot, so there is no count that a death in the
 // middle of an update could leave wrong: a slot names exactly who holds it,
 // and a holder whose lock is gone is dead, whoever asks.
 //
-// - Creating a segment takes slot 0 for the creator (its pool, or its view).
-// - A sender names a segment in a message by issuing a ticket into a free
-//   slot when the pickler writes the reference (one per message carrying it).
+// Who holds which slot:
+// - The creator takes slot 0 when it creates the segment: its pool's, or its
+//   view's when the pool is full.
+// - A sender issues a ticket into a free slot when the pickler writes the
+//   segment's reference, once per message (so a dumps nested in another gets
+//   its own). With every slot taken it sends no ticket: the receiver then
+//   loads as a second load does (below).
 // - A receiver claims the ticket: one CAS turns the ticket word into its own
-//   process id. A message loaded a second time finds its ticket gone; it
-//   takes a fresh slot of its own and then checks the generation the message
-//   carried. If the pool reused the memory meanwhile the load fails with an
-//   error naming the segment; it never sees other data.
-// - The creator's pool may overwrite a segment only when no view of it is
-//   alive in the pool's process and no slot but its own names a live holder;
+//   id, and its view owns that slot. A process already holding the segment
+//   cancels the ticket instead.
+// - A second load of the same bytes finds its ticket gone; it takes a fresh
+//   slot and then checks the generation the message carried. If the pool
+//   reused the memory meanwhile it fails with ESTALE naming the segment; it
+//   never sees other data.
+// - Before fork, the parent takes a slot for the child (under the child's id,
+//   made in advance) in each segment it has a live view of.
+//
+// Who may reuse or unlink:
+// - Only the creator's pool overwrites a segment, and only when no view of
+//   it is alive in its process and no slot but its own names a live holder;
 //   it bumps the generation, then looks again (seq_cst on both sides, so a
 //   concurrent second load either sees the new generation or is seen).
-// - Dropping the last view of a process releases its slot; whoever finds no
-//   live holder left sets `unlinked` and unlinks the name. A mapping stays
-//   valid after unlink: arrays already loaded keep reading their data.
-// - Death: a SIGKILLed process's slots name a dead id. Anyone who meets them
-//   clears them (the pool when it looks for a segment to reuse, a releasing
-//   process, and the session reaper, which scans its session's segments every
-//   second and unlinks those with no live holder: torchshm/_reaper.py).
-//   Tickets die with their session; the reaper unlinks what is left.
+// - Whoever releases a slot and finds no live holder left sets `unlinked`
+//   and unlinks the name; so does the session reaper (torchshm/_reaper.py)
+//   for segments of its session that no live holder names, and for all that
+//   is left when the session ends. A mapping stays valid after unlink: arrays
+//   already loaded keep reading their data; new loads fail with ENOENT.
+//
+// What each death leaves, and for how long:
+// - A process that exits (multiprocessing's os._exit included) releases its
+//   slots in an exit finalizer and removes its lock file: nothing is left.
+// - A process killed by SIGKILL (or that skips finalizers) leaves slots
+//   naming a dead id: the pool looks past them and clears them (once a
+//   second at most), and the reaper unlinks what only the dead held within
+//   about a second. A forked child that execs loses its lock at exec: same.
+// - A ticket lives while its session does, or, when its message went into a
+//   pipe, only while some process of this user still has that pipe open:
+//   the reaper writes the ticket's word into its verdict slot once the pipe
+//   stayed closed everywhere for a whole scan, and from then on the ticket
+//   counts as dead (a receiver that claimed it first keeps it, since its
+//   claim changed the word). So a killed sender's messages stay loadable
+//   while they can still be read, and an epoch cut short frees its prefetched
+//   batches within seconds.
+// - A killed reaper: its session lock is free, so another session's reaper
+//   treats the session as dead and unlinks its segments that no live process
+//   holds (in-flight tickets included: such a message fails on load with
+//   ENOENT). Processes keep what they hold.
 // - Names are /torchshm_<session>_<process id>_<n>: unique for the machine's
 //   lifetime, so a cached mapping can never be mistaken for a new segment.
 // The fd is closed right after mmap: a live array costs a mapping, never an
@@ -44,8 +73,8 @@
 
 namespace torchshm {
 
-constexpr size_t kHeaderBytes = 4096;  // one page: data stays page-aligned
-constexpr int kSlots = 504;
+constexpr size_t kHeaderBytes = 8192;  // two pages: data stays page-aligned
+constexpr int kSlots = 336;
 
 class Segment {
  public:
@@ -67,8 +96,9 @@ class Segment {
   // Frees `slot` if it still holds `holder`; unlinks the segment when no live
   // holder remains.
   void release_slot(int slot, uint64_t holder);
-  // A new ticket in a free slot; 0 if every slot is taken.
-  uint64_t issue_ticket();
+  // A new ticket in a free slot for a message written to pipe `channel`
+  // (an inode; 0 if unknown); 0 if every slot is taken.
+  uint64_t issue_ticket(uint64_t channel = 0);
   // Turns `ticket` into `holder`; the slot, or -1 if the ticket is gone.
   int claim_ticket(uint64_t ticket, uint64_t holder);
   // Frees the ticket's slot; false if it was already claimed or never existed.

@@ -83,9 +83,9 @@ def _bytes_from_env(name, default):
 
 
 def pool_bytes():
-    """Cap on the shared memory a sending process keeps pooled for reuse
-    (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at most 4 GiB; 0 turns
-    pooling off)."""
+    """Cap on the shared memory a session's senders keep pooled for reuse, all
+    processes together (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at
+    most 4 GiB; 0 turns pooling off)."""
     return _bytes_from_env("TORCHSHM_POOL_BYTES", _default_cap())
 
 

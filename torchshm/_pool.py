@@ -11,7 +11,7 @@ for pool_idle_seconds() are released. Only policy lives here: the caller
 import collections
 import time
 
-from torchshm import _config
+from torchshm import _config, _session
 from torchshm._compat import load_native
 
 _C = load_native()
@@ -45,12 +45,41 @@ def _idle(segment):
 _THOROUGH_SCAN_SECONDS = 1.0
 
 
-class Pool:
+class SessionBudget:
+    """What the session's live processes pool, in one small shared file
+    (csrc/budget.h): each process records its own pool's size."""
+
     def __init__(self):
+        self._budget = None
+
+    def _file(self):
+        if self._budget is None:
+            path = f"/dev/shm/torchshm-budget-{_session.session_id()}.shm"
+            self._budget = _C.Budget.open(path)
+        return self._budget
+
+    def others(self, mine):
+        """Bytes the session's other live processes pool (0 if unknown)."""
+        try:
+            return max(0, self._file().total() - mine)
+        except OSError:
+            return 0
+
+    def record(self, nbytes):
+        try:
+            self._file().set(_C.process_id(), nbytes)
+        except OSError:
+            pass
+
+
+class Pool:
+    def __init__(self, budget=None):
         self.segments = {}  # name -> [Segment, last use]
         self.by_class = collections.defaultdict(list)  # capacity -> [entry]
         self.nbytes = 0
         self._next_thorough_scan = 0.0
+        self._budget = budget or SessionBudget()
+        self._recorded = 0  # what the budget file says this pool holds
 
     def take(self, nbytes):
         """An idle pooled segment that fits nbytes without much waste, or None.
@@ -77,17 +106,29 @@ class Pool:
         return None
 
     def admit(self, segment):
-        """Keeps a new segment (and its creator reference) if under the cap."""
+        """Keeps a new segment (and its slot 0) if the session's pools stay
+        within the cap: one budget for every process of the session."""
         cap = _config.pool_bytes()
-        if self.nbytes + segment.capacity > cap:
+        if not self._fits(segment.capacity, cap):
             self.release_idle()
-            if self.nbytes + segment.capacity > cap:
+            if not self._fits(segment.capacity, cap):
                 return False
         entry = [segment, time.monotonic()]
         self.segments[segment.name] = entry
         self.by_class[segment.capacity].append(entry)
         self.nbytes += segment.capacity
+        self._record()
         return True
+
+    def _fits(self, nbytes, cap):
+        if self.nbytes + nbytes > cap:
+            return False
+        return self._budget.others(self._recorded) + self.nbytes + nbytes <= cap
+
+    def _record(self):
+        if self.nbytes != self._recorded:
+            self._budget.record(self.nbytes)
+            self._recorded = self.nbytes
 
     def get(self, name):
         entry = self.segments.get(name)
@@ -99,12 +140,14 @@ class Pool:
         for name, (segment, last) in list(self.segments.items()):
             if now - last >= older_than and _idle(segment):
                 freed += self._drop(name)
+        self._record()
         return freed
 
     def release_all(self):
         """Releases the pool's slot of every segment (this process is exiting)."""
         for name in list(self.segments):
             self._drop(name)
+        self._record()
 
     def forget(self):
         """Forgets every segment without releasing (a forked child: the
@@ -112,6 +155,7 @@ class Pool:
         self.segments.clear()
         self.by_class.clear()
         self.nbytes = 0
+        self._recorded = 0  # the parent's entry stays the parent's
 
     def _drop(self, name):
         entry = self.segments.pop(name)

@@ -39,10 +39,12 @@ NEW_LOCK_SECONDS = 60.0  # a lock file still being created
 
 # csrc/segment.h: the header's layout.
 MAGIC = 0x326D687368637274
-HEADER_BYTES = 4096
+HEADER_BYTES = 8192
 UNLINKED_OFFSET = 32
+SLOTS = 336
 SLOTS_OFFSET = 64
-SLOTS = 504
+CHANNELS_OFFSET = SLOTS_OFFSET + 8 * SLOTS
+VERDICTS_OFFSET = SLOTS_OFFSET + 16 * SLOTS
 TICKET_BIT = 1 << 63
 
 
@@ -56,6 +58,10 @@ def process_lock_path(holder):
 
 def session_lock_path(session):
     return os.path.join(SHM_DIR, f"{LOCK_PREFIX}session-{session}.lock")
+
+
+def budget_path(session):
+    return os.path.join(SHM_DIR, f"{LOCK_PREFIX}budget-{session}.shm")
 
 
 def _lock_alive(path):
@@ -125,8 +131,12 @@ def _creator_of(name):
         return None
 
 
+class _Header:
+    __slots__ = ("magic", "unlinked", "slots", "channels", "verdicts")
+
+
 def _read_header(name):
-    """(magic, unlinked, slot words) of one of our segments, or None."""
+    """The header of one of our segments, or None."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
@@ -135,15 +145,60 @@ def _read_header(name):
         st = os.fstat(fd)
         if not _own(st) or st.st_size < HEADER_BYTES:
             return None
+        h = _Header()
         with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
-            magic = struct.unpack_from("<Q", header, 0)[0]
-            unlinked = struct.unpack_from("<I", header, UNLINKED_OFFSET)[0]
-            slots = struct.unpack_from(f"<{SLOTS}Q", header, SLOTS_OFFSET)
-        return magic, unlinked, slots
+            h.magic = struct.unpack_from("<Q", header, 0)[0]
+            h.unlinked = struct.unpack_from("<I", header, UNLINKED_OFFSET)[0]
+            h.slots = struct.unpack_from(f"<{SLOTS}Q", header, SLOTS_OFFSET)
+            h.channels = struct.unpack_from(f"<{SLOTS}Q", header, CHANNELS_OFFSET)
+            h.verdicts = struct.unpack_from(f"<{SLOTS}Q", header, VERDICTS_OFFSET)
+        return h
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _write_verdict(name, slot, word):
+    """Records that ticket `word` in `slot` is dead (one aligned 8-byte
+    store; the processes that share the segment clear the slot by CAS)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        if _own(os.fstat(fd)):
+            with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
+                header[
+                    VERDICTS_OFFSET + 8 * slot : VERDICTS_OFFSET + 8 * slot + 8
+                ] = struct.pack("<Q", word)
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def open_pipes():
+    """Inodes of the pipes that processes of this user have open."""
+    uid, found = os.geteuid(), set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if link.startswith("pipe:["):
+                found.add(int(link[6:-1]))
+    return found
 
 
 def _mark_and_unlink(name):
@@ -173,24 +228,55 @@ def _held(name, tickets_alive):
     """Whether a live holder names the segment (True if unsure)."""
     header = _read_header(name)
     creator = _creator_of(name)
-    if header is None or header[0] != MAGIC:
+    if header is None or header.magic != MAGIC:
         # Not yet initialized (its creator is still reserving space), another
         # user's, or another version's.
         if header is None and not os.path.exists(os.path.join(SHM_DIR, name)):
             return False
         return creator is None or process_alive(creator)
-    magic, unlinked, slots = header
-    if unlinked:
+    if header.unlinked:
         return False
-    for word in slots:
+    for word, verdict in zip(header.slots, header.verdicts):
         if word == 0:
             continue
         if word & TICKET_BIT:
-            if tickets_alive:
+            if tickets_alive and verdict != word:
                 return True
         elif process_alive(word):
             return True
     return False
+
+
+class TicketJudge:
+    """Finds tickets whose pipe is closed in every process of this user, and
+    records the verdict once it stayed closed for a whole scan. Most tickets
+    are claimed within milliseconds: only those already seen at the last
+    scan are judged, so /proc is read only while some message waits."""
+
+    def __init__(self):
+        self.seen = set()  # (name, slot, word) of the last scan's tickets
+        self.suspects = set()  # ... whose pipe was closed then
+
+    def scan(self, session):
+        tickets = {}
+        for name in _segment_names(session):
+            header = _read_header(name)
+            if header is None or header.magic != MAGIC or header.unlinked:
+                continue
+            for slot, (word, channel, verdict) in enumerate(
+                zip(header.slots, header.channels, header.verdicts)
+            ):
+                if word & TICKET_BIT and channel and verdict != word:
+                    tickets[(name, slot, word)] = channel
+        waiting = {key: c for key, c in tickets.items() if key in self.seen}
+        self.seen = set(tickets)
+        closed = set()
+        if waiting:
+            pipes = open_pipes()
+            closed = {key for key, channel in waiting.items() if channel not in pipes}
+        for name, slot, word in closed & self.suspects:
+            _write_verdict(name, slot, word)
+        self.suspects = closed
 
 
 def release_dead(session):
@@ -216,11 +302,33 @@ def sweep_orphans(own_session):
                 if not _held(name, tickets_alive=False):
                     _mark_and_unlink(name)
     _sweep_dead_locks()
+    _sweep_dead_budgets(own_session)
+
+
+def _sweep_dead_budgets(own_session):
+    prefix = f"{LOCK_PREFIX}budget-"
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        session = name[len(prefix) : -len(".shm")]
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if session != own_session and _own(os.stat(path)):
+                if not session_alive(session):
+                    os.unlink(path)
+        except OSError:
+            pass
 
 
 def _sweep_dead_locks():
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(LOCK_PREFIX)]
+        names = [
+            n
+            for n in os.listdir(SHM_DIR)
+            if n.startswith(LOCK_PREFIX) and n.endswith(".lock")
+        ]
     except OSError:
         return
     now = time.time()
@@ -271,6 +379,7 @@ def serve(session, ready):
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     clients = 0
+    judge = TicketJudge()
     idle_since = next_scan = next_orphan_scan = time.monotonic()
     limit = STARTUP_SECONDS
     while clients or time.monotonic() - idle_since < limit:
@@ -302,6 +411,7 @@ def serve(session, ready):
         now = time.monotonic()
         if now >= next_scan:
             next_scan = now + SCAN_SECONDS
+            judge.scan(session)
             release_dead(session)
         if now >= next_orphan_scan:
             next_orphan_scan = now + ORPHAN_SCAN_SECONDS
@@ -309,7 +419,11 @@ def serve(session, ready):
     listener.close()
     sweep(session)
     _sweep_dead_locks()
-    os.unlink(session_lock_path(session))
+    for path in (budget_path(session), session_lock_path(session)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     os.close(session_lock)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _segments, _stats
+from torchshm import _channel, _config, _segments, _stats
 from torchshm._compat import int8_tensor_over, load_native, untyped_storage
 
 _C = load_native()
@@ -208,7 +208,7 @@ class _SegmentRef:
 
     def __reduce__(self):
         try:
-            held = _segments.ticket_for(self.owner)
+            held = _segments.ticket_for(self.owner, _channel.current())
         except Exception:  # noqa: BLE001 - raising here loses the message
             held = None
         # No ticket (every slot taken): the receiver holds the segment for as

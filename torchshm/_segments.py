@@ -46,6 +46,8 @@ def allocate(nbytes):
         # Slot 0 is the creator's: the pool's if pooled, else this view's.
         owner = segment.tensor(-1 if pooled else 0, _C.process_id())
         _live[segment.name] = weakref.ref(owner)
+        if pooled:
+            _expiry.ensure()
     return owner
 
 
@@ -107,14 +109,15 @@ def _live_owner(name):
     return ref() if ref is not None else None
 
 
-def ticket_for(tensor):
+def ticket_for(tensor, channel=0):
     """(ticket, generation) for one message naming the segment behind
-    `tensor`; ticket 0 when every slot is taken (the receiver then holds the
-    segment only while its generation is unchanged), None if it is gone."""
+    `tensor`, written to pipe `channel` (an inode, 0 if unknown); ticket 0
+    when every slot is taken (the receiver then holds the segment only while
+    its generation is unchanged), None if it is gone."""
     segment = _C.segment_of(tensor)
     if segment.unlinked:
         return None
-    ticket = segment.issue_ticket()
+    ticket = segment.issue_ticket(channel)
     if ticket == 0:
         _stats.add("tickets_unavailable")
     return ticket, segment.generation
@@ -171,6 +174,7 @@ def _keeper(name, segment):
                 _idle_mappings[name] = segment
                 _idle_bytes += segment.capacity
                 _drop_idle_mappings(_config.mapping_cache_bytes())
+                _expiry.ensure()
 
     return keep
 
@@ -205,6 +209,52 @@ def _prune_live():
         del _live[name]
 
 
+class _Expiry:
+    """Gives idle memory back on a timer: pooled segments unused for
+    pool_idle_seconds(), and cached mappings of segments that died. A sender
+    that goes quiet so releases within the idle time (plus a quarter of it,
+    at most a second) without sending again. The thread runs only while
+    there is something to watch, and never across fork (Note [Fork])."""
+
+    def __init__(self):
+        self._thread = None
+        self._stop = threading.Event()
+
+    def ensure(self):
+        """Starts the thread if it is not running (call with _lock held)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="torchshm-expiry", daemon=True
+            )
+            self._thread.start()
+
+    def halt(self):
+        thread = self._thread
+        if thread is not None:
+            self._stop.set()
+            thread.join()
+            self._thread = None
+
+    def needed(self):
+        return bool(_pool_segments.segments or _idle_mappings)
+
+    def _run(self):
+        while True:
+            idle = _config.pool_idle_seconds()
+            if self._stop.wait(max(0.05, min(1.0, idle / 4))):
+                return
+            with _lock:
+                _pool_segments.release_idle(older_than=idle)
+                _drop_idle_mappings(_config.mapping_cache_bytes())
+                if not self.needed():
+                    self._thread = None
+                    return
+
+
+_expiry = _Expiry()
+
+
 # Note [Fork]: a child inherits every view but none of the slots: those are
 # the parent's, under the parent's id. Before fork the parent makes the
 # child's id (and its lock, which the child inherits and keeps) and takes a
@@ -216,6 +266,9 @@ _for_child = []
 
 
 def _before_fork():
+    # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
+    # thread holding a lock would leave it held in the child).
+    _expiry.halt()
     _lock.acquire()
     try:
         live = [o for o in (ref() for ref in _live.values()) if o is not None]
@@ -233,18 +286,27 @@ def _before_fork():
 def _after_fork_in_parent():
     _for_child.clear()
     _C.after_fork_in_parent()
+    if _expiry.needed():
+        _expiry.ensure()
     _lock.release()
 
 
 def _after_fork_in_child():
-    global _lock, _idle_bytes
+    global _lock, _idle_bytes, _expiry
     _lock = threading.RLock()  # another thread may have held it at fork
+    _expiry = _Expiry()  # threads do not survive fork
     _C.after_fork_in_child()
+    adopted = {}
     if _for_child:
         me = _C.process_id()
         for owner, slot in _for_child:
             _C.adopt(owner, slot, me)
+            adopted[_C.segment_of(owner).name] = weakref.ref(owner)
         _for_child.clear()
+    # A view without a slot of this process's own protects nothing here: a
+    # segment arriving again must be attached anew.
+    _live.clear()
+    _live.update(adopted)
     _pool_segments.forget()
     _idle_mappings.clear()
     _idle_bytes = 0
@@ -259,6 +321,7 @@ def _at_exit():
 def _exit():
     disown_all()
     _C.remove_own_lock()
+    _session.leave()
 
 
 class _Token:

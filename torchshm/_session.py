@@ -65,6 +65,14 @@ def join():
         load_native().process_id()
 
 
+def leave():
+    """Closes this process's connection to the reaper (it is exiting)."""
+    global _connection
+    conn, _connection = _connection, None
+    if conn is not None:
+        conn.close()
+
+
 def _connect(session):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -1,0 +1,47 @@
+"""Which pipe a message is being written to, so that its tickets can die
+with the pipe (Note [Segment lifetime] in csrc/segment.h).
+
+A reducer is not told where its bytes go. multiprocessing writes every
+message through a Connection, and the frames above the pickler say which:
+Connection.send (Pipe, Pool's queues), SimpleQueue.put, and the feeder
+thread of Queue (`_feed`, which holds the writer's bound send_bytes). Only
+pipes are named: both ends of a pipe share one inode, which is what the
+reaper looks for in /proc/*/fd; a socket's two ends have two.
+"""
+
+import os
+import stat
+import sys
+from multiprocessing import connection, queues
+
+# code object -> how to find the Connection among that frame's locals.
+_WRITERS = {
+    connection.Connection.send.__code__: lambda f: f.get("self"),
+    queues.SimpleQueue.put.__code__: lambda f: getattr(f.get("self"), "_writer", None),
+    queues.Queue._feed.__code__: lambda f: getattr(
+        f.get("send_bytes"), "__self__", None
+    ),
+}
+# A pickler's reduce runs a few frames below the writer.
+_MAX_DEPTH = 12
+
+
+def current():
+    """The inode of the pipe the message being pickled goes to, or 0."""
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return 0
+        find = _WRITERS.get(frame.f_code)
+        if find is not None:
+            return _pipe_inode(find(frame.f_locals))
+        frame = frame.f_back
+    return 0
+
+
+def _pipe_inode(conn):
+    try:
+        st = os.fstat(conn.fileno())
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return st.st_ino if stat.S_ISFIFO(st.st_mode) else 0
