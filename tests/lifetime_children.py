@@ -62,3 +62,24 @@ def copy_under_thread_limit(nbytes):
 
 if __name__ == "__main__":
     copy_under_thread_limit(int(sys.argv[1]))
+
+
+def send_and_idle(inbox, outbox, n):
+    """Sends one fresh array (its pool keeps the segment once the parent
+    drops it), then stays quiet until told to exit."""
+    outbox.put(np.full(n, 4.0))
+    inbox.get(timeout=120)
+
+
+class Items:
+    """A map-style dataset of fresh 1 MiB arrays."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return np.full(1 << 17, float(i))
+
+
+def put_and_exit(queue, n):
+    queue.put(np.full(n, 6.0))

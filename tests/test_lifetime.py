@@ -459,3 +459,88 @@ def test_the_file_system_branch_stays_inside_the_guard(monkeypatch):
         np.testing.assert_array_equal(again, view)
     finally:
         tmp.set_sharing_strategy(old)
+
+
+# 9. Messages never received -------------------------------------------------
+
+
+def test_dataloader_epochs_cut_short_leave_nothing_behind():
+    """Breaking out of an epoch leaves prefetched batches unread in the
+    workers' result pipe; once that pipe is closed everywhere, their tickets
+    die and the segments go. 20 epochs must not add up."""
+    from torch.utils.data import DataLoader
+
+    gc.collect()
+    torchshm.trim()
+    before = session_segments()
+    loader = DataLoader(
+        lifetime_children.Items(),
+        batch_size=None,
+        num_workers=2,
+        prefetch_factor=4,
+        multiprocessing_context="fork",
+        collate_fn=torchshm.convert,
+    )
+    for _ in range(20):
+        for item in loader:
+            assert torchshm.is_shared(item)
+            break
+        del item
+    gc.collect()
+    assert wait_until(lambda: not (session_segments() - before), 10), sorted(
+        session_segments() - before
+    )
+
+
+def test_an_unread_message_lives_while_its_pipe_is_open(ctx):
+    queue = ctx.Queue()
+    p = ctx.Process(target=lifetime_children.put_and_exit, args=(queue, 100_000))
+    p.start()
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    # The sender is gone; the reaper looks every second and would kill a
+    # ticket whose pipe had closed. This one stays open here.
+    time.sleep(3 * _reaper.SCAN_SECONDS)
+    received = queue.get(timeout=TIMEOUT)
+    assert (received == 6.0).all() and torchshm.is_shared(received)
+
+
+def session_segments():
+    prefix = f"torchshm_{_session.session_id()}_"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+# 10. Idle memory comes back --------------------------------------------------
+
+
+def test_a_quiet_sender_releases_its_pool_on_a_timer(monkeypatch, child):
+    monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "1")
+    c = child(mp.get_context("spawn"), lifetime_children.send_and_idle, 200_000)
+    received = c.receive()
+    name = segment(received).name.lstrip("/")
+    del received
+    gc.collect()
+    # The child sends nothing more; its timer alone gives the segment back.
+    assert wait_until(lambda: name not in shm_names(), 1 + 2.5)
+    assert c.process.is_alive()
+    c.send("exit")
+    assert c.close() == 0
+
+
+def test_one_pool_budget_for_the_whole_session(monkeypatch, child):
+    monkeypatch.setenv("TORCHSHM_POOL_BYTES", "3M")
+    monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "300")
+    ctx = mp.get_context("spawn")
+    senders = [child(ctx, lifetime_children.send_and_idle, 250_000) for _ in range(3)]
+    names = []
+    for c in senders:
+        received = c.receive()  # 2 MB each: one fits the budget, not two
+        names.append(segment(received).name.lstrip("/"))
+        del received
+    gc.collect()
+    time.sleep(0.5)
+    pooled = [n for n in names if n in shm_names()]
+    assert len(pooled) == 1, pooled
+    for c in senders:
+        c.send("exit")
+        assert c.close() == 0

@@ -10,7 +10,7 @@ import pytest
 import torchshm
 from tests import children
 from tests.conftest import session_segments
-from torchshm import _segments
+from torchshm import _pool, _segments
 
 
 def roundtrip(obj):
@@ -81,8 +81,11 @@ def test_many_small_arrays_pack_into_few_segments():
 def test_pool_is_capped(monkeypatch):
     monkeypatch.setenv("TORCHSHM_POOL_BYTES", "2M")
     torchshm.trim()
+    # Earlier tests may leave segments held by tickets of messages never
+    # loaded (they live with the session): those cannot be trimmed.
+    before = _segments._pool_segments.nbytes
     held = [roundtrip(np.zeros(300_000)) for _ in range(10)]  # 2.4 MB each
-    assert _segments._pool_segments.nbytes <= 2 << 20
+    assert _segments._pool_segments.nbytes <= max(before, 2 << 20)
     assert all((h == 0).all() for h in held)
 
 
@@ -90,7 +93,11 @@ def test_idle_segments_are_released(monkeypatch):
     torchshm.trim()
     roundtrip(np.zeros(500_000))
     gc.collect()
-    idle = set(_segments._pool_segments.segments)
+    idle = {
+        name
+        for name, (segment, _) in _segments._pool_segments.segments.items()
+        if _pool._idle(segment)
+    }
     assert idle
     monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "0")
     _segments._pool_segments._next_thorough_scan = 0  # the scan runs once a second
