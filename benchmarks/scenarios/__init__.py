@@ -5,9 +5,11 @@ from benchmarks.scenarios import (
     big_array,
     dataframe,
     dataloader,
+    dataloader_start,
     era5,
     many_small,
     memory,
+    node_memory,
     per_item,
 )
 
@@ -21,6 +23,8 @@ SCENARIOS = {
         many_small,
         dataloader,
         memory,
+        node_memory,
+        dataloader_start,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
@@ -28,7 +32,7 @@ ALIASES = {"core": ["big_array", "per_item"], "all": list(SCENARIOS)}
 
 
 def select(names):
-    """Scenario modules for names, numbers (1-7) or aliases, in suite order."""
+    """Scenario modules for names, numbers (1-N) or aliases, in suite order."""
     wanted = []
     for name in names:
         name = name.strip()
@@ -40,5 +44,7 @@ def select(names):
             wanted.append(name)
         else:
             choices = ", ".join(list(SCENARIOS) + list(ALIASES))
-            raise ValueError(f"unknown scenario {name!r}: expected 1-7 or {choices}")
+            raise ValueError(
+                f"unknown scenario {name!r}: expected 1-{len(SCENARIOS)} or {choices}"
+            )
     return [SCENARIOS[n] for n in SCENARIOS if n in wanted]
