@@ -1,165 +1,118 @@
-"""torchdata reading services: workers register torchshm through its helpers
-and items arrive equal and in shared memory. Skipped without torchdata."""
+"""torchdata, for real: runs tests/torchdata_cases.py in a fresh process per
+torchdata version and checks that the API groups that version has ran.
 
-import functools
-import inspect
-import textwrap
+The torchdata used is the installed one, else the unmodified sources in
+../shared/vendor (next to the clone; TORCHSHM_VENDOR overrides) that fit this
+torch: 0.5.1 on torch 1.x, 0.9.0 and 0.11.0 on torch 2.x, each put on
+PYTHONPATH in its own process (so that spawned workers find it too). Skips,
+naming the reason, when neither is available.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
+import torch
 
-import torchshm
-from tests import integration_children as ic
-from tests.conftest import run_script
-from tests.test_dataloader import assert_equal
-from tests.test_pandas_xarray import assert_all_shared
-
-torchdata = pytest.importorskip(
-    "torchdata", reason="torchdata is not installed (pip install torchdata)"
-)
-dataloader2 = pytest.importorskip("torchdata.dataloader2")
-from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
-
-N = 4
-# 0.6-0.9 call worker_init_fn(datapipe, worker_info); 0.5 hands it to a DataLoader.
-NEW_SIGNATURE = (
-    "worker_prefetch_cnt"
-    in inspect.signature(dataloader2.MultiProcessingReadingService).parameters
-)
+REPO = Path(__file__).resolve().parents[1]
+VENDOR = Path(os.environ.get("TORCHSHM_VENDOR", REPO.parent / "shared" / "vendor"))
+TORCH_MAJOR = int(re.match(r"\d+", torch.__version__).group())
+# The vendored versions that run on this torch (see ../shared/vendor/README.md).
+VENDORED = ["0.5.1"] if TORCH_MAJOR < 2 else ["0.9.0", "0.11.0"]
+# The API groups (test name prefixes in torchdata_cases.py) each must run.
+GROUPS = {
+    "0.5.1": {"reading_service", "prototype"},
+    "0.9.0": {"reading_service", "stateful"},
+    "0.11.0": {"stateful", "nodes"},
+    "installed": set(),  # whatever it has; at least one test must run
+}
 
 
-def pipeline():
-    # functools.partial of a module function: picklable under spawn.
-    sample = functools.partial(ic.make_sample, "mixed")
-    return IterableWrapper(range(N)).sharding_filter().map(sample)
-
-
-def run(datapipe, service):
-    loader = dataloader2.DataLoader2(datapipe, reading_service=service)
-    try:
-        return list(loader)
-    finally:
-        loader.shutdown()  # 0.5 hangs at exit without it
-
-
-def check(received):
-    assert len(received) == N
-    for got in received:  # before any lookup makes pandas build caches
-        assert_all_shared(got)
-    # Workers interleave their items: put them back in order.
-    for i, got in enumerate(sorted(received, key=ic.sample_index)):
-        assert_equal(got, ic.make_sample("mixed", i))
-
-
-def service(ctx, **kwargs):
-    init = (
-        torchshm.datapipe_worker_init_fn if NEW_SIGNATURE else torchshm.worker_init_fn
-    )
-    return dataloader2.MultiProcessingReadingService(
-        num_workers=2,
-        multiprocessing_context=ctx.get_start_method(),
-        worker_init_fn=init,
-        **kwargs,
+def sources():
+    """(version, directory to put on PYTHONPATH or None), or a skip reason."""
+    if importlib.util.find_spec("torchdata") is not None:
+        return [("installed", None)], None
+    found = [
+        (v, VENDOR / f"torchdata-{v}")
+        for v in VENDORED
+        if (VENDOR / f"torchdata-{v}" / "torchdata").is_dir()
+    ]
+    if found:
+        return found, None
+    return [], (
+        f"torchdata is not installed and {VENDOR} has no"
+        f" {' or '.join('torchdata-' + v for v in VENDORED)} for torch"
+        f" {torch.__version__} (a clone without ../shared/vendor)"
     )
 
 
-def test_multiprocessing_reading_service(ctx, no_leaks):
-    check(run(pipeline(), service(ctx)))
+SOURCES, SKIP = sources()
 
 
-def test_share_memory_map_moves_items_in_the_worker(ctx, no_leaks):
-    check(run(pipeline().map(torchshm.share_memory), service(ctx)))
+def results(junit):
+    """{test name: 'passed' | 'skipped' | 'failed'} from a JUnit XML report."""
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        out[case.get("name")] = outcome
+    return out
 
 
-@pytest.mark.skipif(
-    not hasattr(dataloader2, "PrototypeMultiProcessingReadingService"),
-    reason="torchdata 0.5's PrototypeMultiProcessingReadingService is gone",
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    "version, path", SOURCES or [(None, None)], ids=[v for v, _ in SOURCES] or None
 )
-def test_prototype_reading_service_with_in_workers(ctx, no_leaks):
-    rs = dataloader2.PrototypeMultiProcessingReadingService(
-        num_workers=2, multiprocessing_context=ctx.get_start_method()
+def test_torchdata(tmp_path, version, path):
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(path), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p]
+        )
+    junit = tmp_path / "junit.xml"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfEs",
+            f"--junitxml={junit}",
+            "tests/torchdata_cases.py",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1150,
     )
-    check(run(torchshm.in_workers(pipeline()), rs))
-
-
-def test_datapipe_worker_init_fn_chains_and_returns_the_datapipe():
-    pipe = pipeline()
-    assert torchshm.datapipe_worker_init_fn(pipe, None) is pipe
-    calls = []
-
-    def user_init(datapipe, worker_info):
-        calls.append(worker_info)
-        return datapipe.map(str)
-
-    init = torchshm.datapipe_worker_init_fn(user_init)
-    torchshm.unregister()
-    try:
-        out = init(IterableWrapper([1, 2]), "info")
-        assert torchshm.is_registered()
-    finally:
-        torchshm.register()
-    assert list(out) == ["1", "2"] and calls == ["info"]
-
-
-# A user's script that imports torchshm only inside main(): spawn workers
-# import the main module and torchdata, not torchshm.
-SCRIPT = textwrap.dedent(
-    """
-    import inspect, json, sys
-    import numpy as np, pandas as pd
-    from torchdata import dataloader2
-    from torchdata.datapipes.iter import IterableWrapper
-
-
-    def frame(i):
-        mod = sys.modules.get("torchshm")
-        return {"frame": pd.DataFrame({"x": np.arange(1000.0) + i}),
-                "registered": bool(mod and mod.is_registered())}
-
-
-    def main(service, mode):
-        import torchshm
-
-        pipe = IterableWrapper(range(4)).sharding_filter().map(frame)
-        if service == "prototype":
-            if mode == "helper":
-                pipe = torchshm.in_workers(pipe)
-            rs = dataloader2.PrototypeMultiProcessingReadingService(
-                num_workers=2, multiprocessing_context="spawn")
-        else:
-            kwargs = {}
-            if mode == "helper":
-                params = inspect.signature(
-                    dataloader2.MultiProcessingReadingService).parameters
-                kwargs["worker_init_fn"] = (
-                    torchshm.datapipe_worker_init_fn
-                    if "worker_prefetch_cnt" in params
-                    else torchshm.worker_init_fn)
-            rs = dataloader2.MultiProcessingReadingService(
-                num_workers=2, multiprocessing_context="spawn", **kwargs)
-        loader = dataloader2.DataLoader2(pipe, reading_service=rs)
-        try:
-            out = [[s["registered"], torchshm.is_shared(s["frame"]["x"].values)]
-                   for s in loader]
-        finally:
-            loader.shutdown()
-        print(json.dumps(out))
-
-
-    if __name__ == "__main__":
-        main(*sys.argv[1:])
-    """
-)
-
-SERVICES = ["multiprocessing"]
-if hasattr(dataloader2, "PrototypeMultiProcessingReadingService"):
-    SERVICES.append("prototype")
-
-
-@pytest.mark.parametrize("service", SERVICES)
-@pytest.mark.parametrize("mode", ["helper", "plain"])
-def test_spawn_workers_register_when_main_imports_torchshm_late(
-    tmp_path, no_leaks, service, mode
-):
-    items = run_script(tmp_path, SCRIPT, service, mode)
-    # "plain" is the control: without the helper, workers send by value.
-    assert items == [[mode == "helper"] * 2] * N
+    output = run.stdout[-6000:] + run.stderr[-3000:]
+    assert run.returncode == 0, f"torchdata {version} cases failed:\n{output}"
+    outcomes = results(junit)
+    if path is not None:  # the vendored copy was the one imported
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torchdata; print(torchdata.__file__)"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert probe.stdout.startswith(str(path)), probe.stdout + probe.stderr
+    ran = {name for name, outcome in outcomes.items() if outcome == "passed"}
+    assert ran, f"no torchdata case ran:\n{output}"
+    for group in GROUPS[version]:
+        tests = {n: o for n, o in outcomes.items() if n.startswith(f"test_{group}_")}
+        assert tests and set(tests.values()) == {
+            "passed"
+        }, f"torchdata {version}: every {group} case must run, got {tests}\n{output}"

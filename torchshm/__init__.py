@@ -34,6 +34,7 @@ from torchshm._stats import reset_stats, stats  # noqa: E402
 from torchshm._torchdata import (  # noqa: E402
     datapipe_worker_init_fn,
     in_workers,
+    map_fn,
     share_memory,
 )
 from torchshm._version import __version__  # noqa: E402, F401
@@ -50,6 +51,7 @@ __all__ = [
     "is_registered",
     "is_shared",
     "loads",
+    "map_fn",
     "register",
     "release",
     "reset_stats",

@@ -3,7 +3,7 @@ function that moves items into shared memory inside the worker.
 
 torchdata is never imported here: the helpers only call methods of the
 datapipe they are given, so torchshm imports without torchdata and these
-work with torchdata 0.5 to 0.9 (and torch's own datapipes).
+work with torchdata 0.5 to 0.11 (and torch's own datapipes).
 
 - `MultiProcessingReadingService` 0.6-0.9 takes
   `worker_init_fn(datapipe, worker_info) -> datapipe`: pass
@@ -13,6 +13,11 @@ work with torchdata 0.5 to 0.9 (and torch's own datapipes).
   has no worker hook: `torchshm.in_workers(datapipe)` makes the datapipe
   itself import torchshm wherever it is unpickled (see
   Note [Registration in workers] in _dataloader.py).
+- `torchdata.stateful_dataloader.StatefulDataLoader` (0.8+) is a DataLoader:
+  `worker_init_fn=torchshm.worker_init_fn`, `collate_fn=torchshm.collate`.
+- `torchdata.nodes.ParallelMapper(..., method="process")` (0.10+) has no
+  worker hook either, only the map function it pickles into each worker:
+  `map_fn=torchshm.map_fn(your_fn)` registers there, then calls `your_fn`.
 """
 
 from torchshm import _registry, _share
@@ -31,6 +36,18 @@ def datapipe_worker_init_fn(datapipe_or_fn, worker_info=None):
         return RegisterThenCall(datapipe_or_fn, "torchshm.datapipe_worker_init_fn")
     _register_in_worker()
     return datapipe_or_fn
+
+
+def map_fn(fn):
+    """A picklable map function that registers torchshm in the process that
+    runs it, then returns `fn(item)`.
+
+    For `torchdata.nodes.ParallelMapper(..., method="process")` and other
+    process pools whose only hook is the function they run: its workers
+    unpickle it (importing torchshm, which registers) and call it, so their
+    results travel through shared memory under spawn and forkserver too.
+    """
+    return RegisterThenCall(fn, "torchshm.map_fn")
 
 
 def share_memory(item):
