@@ -18,7 +18,8 @@
 #
 # Environment: TORCHSHM_LANE_CACHE (default /var/cache/torchshm),
 # TORCHSHM_VENDOR (default ../shared/vendor, next to the clone),
-# PYTEST_ARGS (default -q).
+# PYTEST_ARGS (default -q), TORCHSHM_LANE_COMMAND (a shell command to run in
+# the built checkout instead of the suite, with the lane's venv on PATH).
 set -euo pipefail
 
 SUITE=trixie
@@ -55,17 +56,36 @@ remove_tree() {
     rm -rf --one-file-system -- "$dir"
 }
 
-# Ends the processes still in this mount namespace (daemons the lane
-# started, e.g. a fork server), so that the namespace and its mounts go away.
-end_namespace_processes() {
+# The processes still running inside the lane root in this mount namespace
+# (daemons the lane started, e.g. a fork server), not this script's own.
+lane_processes() {
     local ns pid
     ns=$(readlink /proc/$$/ns/mnt)
     for pid in $(ls /proc | grep -E '^[0-9]+$'); do
         [ "$pid" = $$ ] && continue
         [ "$(readlink "/proc/$pid/ns/mnt" 2>/dev/null)" = "$ns" ] || continue
-        # Only processes inside the lane root (not this script's own pipeline).
         [ "$(readlink "/proc/$pid/root" 2>/dev/null)" = "$1" ] || continue
-        log "ending leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null))"
+        echo "$pid"
+    done
+}
+
+# Ends them, so that the namespace and its mounts go away: SIGTERM first,
+# so that multiprocessing's resource tracker (which exits once its clients
+# are gone) still unlinks their semaphores; SIGKILL after 10 s.
+end_namespace_processes() {
+    local pids pid tries
+    pids=$(lane_processes "$1")
+    [ -n "$pids" ] || return 0
+    for pid in $pids; do
+        log "ending leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-100))"
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for tries in $(seq 100); do
+        pids=$(lane_processes "$1")
+        [ -n "$pids" ] || return 0
+        sleep 0.1
+    done
+    for pid in $pids; do
         kill -KILL "$pid" 2>/dev/null || true
     done
 }
@@ -177,13 +197,17 @@ print(f"[modern lane] Python {sys.version.split()[0]}, torch {torch.__version__}
       f" numpy {numpy.__version__}, pandas {pandas.__version__},"
       f" xarray {xarray.__version__}", file=sys.stderr)
 PY
+if [ -n "$LANE_COMMAND" ]; then
+    PATH=/lane/venv/bin:$PATH exec /bin/bash -c "$LANE_COMMAND"
+fi
 start=$SECONDS
 status=0
 /lane/venv/bin/python -m pytest -p no:cacheprovider $PYTEST_ARGS || status=$?
 echo "[modern lane] test suite: $((SECONDS - start)) s" >&2
 exit $status
 EOF
-    chroot_run "$root" PYTEST_ARGS="${PYTEST_ARGS:--q}" /bin/bash /lane/run.sh || status=$?
+    chroot_run "$root" PYTEST_ARGS="${PYTEST_ARGS:--q}" \
+        LANE_COMMAND="${TORCHSHM_LANE_COMMAND:-}" /bin/bash /lane/run.sh || status=$?
     end_namespace_processes "$root"
     return $status
 }
