@@ -60,6 +60,36 @@
 //   ENOENT). Processes keep what they hold.
 // - Names are /torchshm_<session>_<process id>_<n>: unique for the machine's
 //   lifetime, so a cached mapping can never be mistaken for a new segment.
+//
+// Handles (torchshm.dumps / loads, torchshm/_handles.py) are messages meant
+// to be loaded many times, by any process of this user on this node:
+// - dumps pickles without tickets (ticket 0: every load is a "second load"
+//   that takes its own slot and checks the generation) and pins every
+//   segment the handle names: the exporter keeps a view of each, so its pool
+//   never reuses them (the generation cannot change) and they are never
+//   unlinked while it lives. A fresh array is snapshotted once, at dumps.
+// - The pins last while the exporter keeps the object (weakref.finalize),
+//   or, for objects that cannot be weakly referenced, until
+//   torchshm.release(handle) or its exit.
+// - Validity is the exporter's alone: a random token in a word of a small
+//   cell segment of the exporter, cleared by release. A load first checks
+//   that the exporter's lock is held (holder_alive) and the token is still
+//   there, then loads; a release racing with a load is caught by the
+//   generation check or the name's absence. A load after release or exit
+//   fails with HandleError (ESTALE, or ENOENT where the names are gone or
+//   this process sees another /dev/shm) naming the exporter's pid, host and
+//   process id; never other data.
+// - Decision: a loaded object keeps its memory after the exporter exits or
+//   releases. Its slot (and mapping) keep the data readable and the segment
+//   out of any pool; new loads of the handle fail all the same, even while
+//   other loaders keep the segment alive.
+// - torchshm.distributed.share_on_node uses one handle per node for the
+//   length of the call (released after a barrier); every rank then holds
+//   its own slot. Each rank is its own session: when the owner rank's
+//   session ends (it exits, or is killed, with its workers), its reaper
+//   unlinks the names. Ranks and workers that mapped the table keep reading
+//   it; a later message naming it (a new epoch's spawn workers) finds it
+//   `unlinked` and is snapshotted instead: correct, but a copy per message.
 // The fd is closed right after mmap: a live array costs a mapping, never an
 // fd.
 #pragma once
