@@ -69,13 +69,18 @@ lane_processes() {
     done
 }
 
-# Ends them, so that the namespace and its mounts go away: SIGTERM first,
-# so that multiprocessing's resource tracker (which exits once its clients
-# are gone) still unlinks their semaphores; SIGKILL after 10 s.
+# Ends them, so that the namespace and its mounts go away. First 20 s to
+# exit on their own: torchshm's session reaper sweeps the session's leftover
+# segments and exits once the session's processes are gone, and
+# multiprocessing's resource tracker unlinks semaphores once its clients
+# are. Then SIGTERM, and SIGKILL after 10 s more.
 end_namespace_processes() {
     local pids pid tries
-    pids=$(lane_processes "$1")
-    [ -n "$pids" ] || return 0
+    for tries in $(seq 200); do
+        pids=$(lane_processes "$1")
+        [ -n "$pids" ] || return 0
+        sleep 0.1
+    done
     for pid in $pids; do
         log "ending leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-100))"
         kill -TERM "$pid" 2>/dev/null || true
