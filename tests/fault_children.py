@@ -453,7 +453,62 @@ def space():
     yield results
 
 
-SCENARIOS = {"kill": kill_rounds, "unread": unread, "space": space}
+# ---------------------------------------------------------------- idle senders
+
+IDLE_SENDER_BYTES = 12 << 20
+TORCH_SHARE_BYTES = 40 << 20
+
+
+def idle_sender(outbox, inbox):
+    outbox.put(np.ones(IDLE_SENDER_BYTES // 8))
+    inbox.get(timeout=TIMEOUT)  # idle until told to exit
+
+
+def torch_share(report):
+    import torch
+
+    # torch sizes its file with ftruncate: no space means SIGBUS on write.
+    t = torch.ones(TORCH_SHARE_BYTES // 4).share_memory_()
+    report.put(float(t.sum()))
+
+
+def idle_senders():
+    """Three senders of one session go idle with their pools full; torch's own
+    share_memory_() must still find room: one budget for the session (a
+    quarter of /dev/shm) bounds what they keep. Run inside a private 64 MiB
+    tmpfs (tests/test_limits.py)."""
+    ctx = mp.get_context("fork")
+    outbox, report = ctx.Queue(), ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(3)]
+    senders = [ctx.Process(target=idle_sender, args=(outbox, q)) for q in inboxes]
+    for p in senders:
+        p.start()
+    for _ in senders:
+        received = outbox.get(timeout=TIMEOUT)
+        del received
+    gc.collect()
+    time.sleep(0.5)
+    st = os.statvfs(isolated.SHM_DIR)
+    results = {"idle_used": (st.f_blocks - st.f_bfree) * st.f_frsize}
+    child = ctx.Process(target=torch_share, args=(report,))
+    child.start()
+    child.join(TIMEOUT)
+    results["torch_exitcode"] = child.exitcode
+    results["torch_sum"] = report.get(timeout=1) if child.exitcode == 0 else None
+    for q in inboxes:
+        q.put("exit")
+    for p in senders:
+        p.join(TIMEOUT)
+    results["exitcodes"] = [p.exitcode for p in senders]
+    yield results
+
+
+SCENARIOS = {
+    "kill": kill_rounds,
+    "unread": unread,
+    "space": space,
+    "idle_senders": idle_senders,
+}
 
 
 def main(argv):

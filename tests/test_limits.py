@@ -83,6 +83,19 @@ def test_a_full_dev_shm_falls_back_without_sigbus_or_loss():
         assert not processes, f"processes left after {isolated.GRACE} s: {processes}"
 
 
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+def test_idle_senders_leave_room_for_torch_in_a_64_mib_dev_shm():
+    with isolated.Driver("idle_senders", wrapper=SMALL_SHM) as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+        assert result["exitcodes"] == [0, 0, 0]
+        # The session's pools keep at most a quarter of /dev/shm between them.
+        assert result["idle_used"] <= (16 << 20) + (1 << 20), result
+        assert result["torch_exitcode"] == 0, "torch's share_memory_ died (-7: SIGBUS)"
+        assert result["torch_sum"] == fault_children.TORCH_SHARE_BYTES // 4
+
+
 @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
 def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks, kind):
     # A Queue pickles in its feeder thread; a SimpleQueue in each sending

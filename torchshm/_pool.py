@@ -121,9 +121,18 @@ class Pool:
         return True
 
     def _fits(self, nbytes, cap):
-        if self.nbytes + nbytes > cap:
+        """Whether `nbytes` more fit the session's budget. Records the claim
+        first and checks after, so that processes admitting at once may both
+        back off, but never both get in."""
+        wanted = self.nbytes + nbytes
+        if wanted > cap:
             return False
-        return self._budget.others(self._recorded) + self.nbytes + nbytes <= cap
+        self._budget.record(wanted)
+        if self._budget.others(wanted) + wanted <= cap:
+            self._recorded = wanted
+            return True
+        self._budget.record(self._recorded)
+        return False
 
     def _record(self):
         if self.nbytes != self._recorded:

@@ -10,11 +10,12 @@ that the session lives (Note [Segment lifetime] in csrc/segment.h).
 Every second it looks at its session's segments and unlinks each one that no
 live holder names: a process killed with SIGKILL frees what only it held
 within about a second, while the rest of the session goes on. When the last
-connection closes, and nobody connects during a short grace period, it
-unlinks every segment of the session that is left (in-flight tickets die with
-the session) and exits. It also sweeps what dead sessions of this user left:
-their segments nobody holds, and lock files of dead processes. It only ever
-touches files of its own user.
+connection closes, and nobody connects during a short grace period, the
+session's in-flight tickets die with it: it unlinks every segment that no
+live process holds, waits for processes of other sessions to let go of the
+rest (a handle another rank loaded), and exits. It also sweeps what dead
+sessions of this user left: their segments nobody holds, and lock files of
+dead processes. It only ever touches files of its own user.
 """
 
 import errno
@@ -135,8 +136,9 @@ class _Header:
     __slots__ = ("magic", "unlinked", "slots", "channels", "verdicts")
 
 
-def _read_header(name):
-    """The header of one of our segments, or None."""
+def _header_map(name):
+    """A mapping of one of our segments' header, or None. Never cached: any
+    mapping or descriptor of an unlinked segment would keep all its memory."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
@@ -145,37 +147,36 @@ def _read_header(name):
         st = os.fstat(fd)
         if not _own(st) or st.st_size < HEADER_BYTES:
             return None
-        h = _Header()
-        with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
-            h.magic = struct.unpack_from("<Q", header, 0)[0]
-            h.unlinked = struct.unpack_from("<I", header, UNLINKED_OFFSET)[0]
-            h.slots = struct.unpack_from(f"<{SLOTS}Q", header, SLOTS_OFFSET)
-            h.channels = struct.unpack_from(f"<{SLOTS}Q", header, CHANNELS_OFFSET)
-            h.verdicts = struct.unpack_from(f"<{SLOTS}Q", header, VERDICTS_OFFSET)
-        return h
-    except OSError:
+        return mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED)
+    except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
 
 
+def _read_header(name):
+    """The header of one of our segments, or None."""
+    header = _header_map(name)
+    if header is None:
+        return None
+    with header:
+        h = _Header()
+        h.magic = struct.unpack_from("<Q", header, 0)[0]
+        h.unlinked = struct.unpack_from("<I", header, UNLINKED_OFFSET)[0]
+        h.slots = struct.unpack_from(f"<{SLOTS}Q", header, SLOTS_OFFSET)
+        h.channels = struct.unpack_from(f"<{SLOTS}Q", header, CHANNELS_OFFSET)
+        h.verdicts = struct.unpack_from(f"<{SLOTS}Q", header, VERDICTS_OFFSET)
+    return h
+
+
 def _write_verdict(name, slot, word):
     """Records that ticket `word` in `slot` is dead (one aligned 8-byte
     store; the processes that share the segment clear the slot by CAS)."""
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        if _own(os.fstat(fd)):
-            with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED) as header:
-                header[
-                    VERDICTS_OFFSET + 8 * slot : VERDICTS_OFFSET + 8 * slot + 8
-                ] = struct.pack("<Q", word)
-    except (OSError, ValueError):
-        pass
-    finally:
-        os.close(fd)
+    header = _header_map(name)
+    if header is not None:
+        with header:
+            at = VERDICTS_OFFSET + 8 * slot
+            header[at : at + 8] = struct.pack("<Q", word)
 
 
 def open_pipes():
@@ -224,8 +225,16 @@ def _mark_and_unlink(name):
         os.close(fd)
 
 
-def _held(name, tickets_alive):
-    """Whether a live holder names the segment (True if unsure)."""
+def _held(name, tickets_alive, alive=None):
+    """Whether a live holder names the segment (True if unsure). `alive`
+    memoizes process liveness within one scan."""
+    alive = {} if alive is None else alive
+
+    def holder_alive(holder):
+        if holder not in alive:
+            alive[holder] = process_alive(holder)
+        return alive[holder]
+
     header = _read_header(name)
     creator = _creator_of(name)
     if header is None or header.magic != MAGIC:
@@ -233,7 +242,7 @@ def _held(name, tickets_alive):
         # user's, or another version's.
         if header is None and not os.path.exists(os.path.join(SHM_DIR, name)):
             return False
-        return creator is None or process_alive(creator)
+        return creator is None or holder_alive(creator)
     if header.unlinked:
         return False
     for word, verdict in zip(header.slots, header.verdicts):
@@ -242,7 +251,7 @@ def _held(name, tickets_alive):
         if word & TICKET_BIT:
             if tickets_alive and verdict != word:
                 return True
-        elif process_alive(word):
+        elif holder_alive(word):
             return True
     return False
 
@@ -279,18 +288,16 @@ class TicketJudge:
         self.suspects = closed
 
 
-def release_dead(session):
-    """Unlinks the session's segments that no live holder names."""
-    for name in _segment_names(session):
-        if not _held(name, tickets_alive=True):
+def release_dead(session, tickets_alive=True):
+    """Unlinks the session's segments that no live holder names; returns how
+    many are left."""
+    names, alive, left = _segment_names(session), {}, 0
+    for name in names:
+        if _held(name, tickets_alive=tickets_alive, alive=alive):
+            left += 1
+        else:
             _mark_and_unlink(name)
-
-
-def sweep(session):
-    """The session is over: its tickets are dead, and every name goes (a
-    process of another session that loaded one keeps its mapping)."""
-    for name in _segment_names(session):
-        _mark_and_unlink(name)
+    return left
 
 
 def sweep_orphans(own_session):
@@ -417,7 +424,11 @@ def serve(session, ready):
             next_orphan_scan = now + ORPHAN_SCAN_SECONDS
             sweep_orphans(session)
     listener.close()
-    sweep(session)
+    # The session is over and its tickets with it. Segments that processes
+    # of other sessions still hold (a handle loaded by another rank) keep
+    # their names until those let go or die: they stay loadable meanwhile.
+    while release_dead(session, tickets_alive=False):
+        time.sleep(SCAN_SECONDS)
     _sweep_dead_locks()
     for path in (budget_path(session), session_lock_path(session)):
         try:

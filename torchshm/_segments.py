@@ -88,7 +88,7 @@ def attach(name, ticket, generation):
                 segment.release_slot(slot, me)
                 raise
         owner = segment.tensor(slot, me)
-        _live[name] = weakref.ref(owner, _keeper(name, segment))
+        _live[name] = weakref.ref(owner, _keeper(name, segment, slot))
         return owner
 
 
@@ -162,15 +162,22 @@ def _create(capacity):
     return segment
 
 
-def _keeper(name, segment):
-    """When a received segment's last view dies, keep its mapping for reuse."""
+def _keeper(name, segment, slot):
+    """When a received segment's last view dies, keep its mapping for reuse,
+    unless nobody else holds it: then the view's release (which runs right
+    after this callback) unlinks it, and a cached mapping would only pin its
+    pages."""
 
     def keep(_):
         global _idle_bytes
         with _lock:
             if _live.get(name) is not None and _live[name]() is None:
                 del _live[name]
-            if not segment.unlinked and name not in _idle_mappings:
+            if (
+                not segment.unlinked
+                and name not in _idle_mappings
+                and segment.has_live_holder(slot)
+            ):
                 _idle_mappings[name] = segment
                 _idle_bytes += segment.capacity
                 _drop_idle_mappings(_config.mapping_cache_bytes())
