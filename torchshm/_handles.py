@@ -180,6 +180,10 @@ def _drop(token):
         words[export.index] = 0
         _free.append((export.cell, export.index))
         export.pins = None
+        if not _exports:
+            # No handle left: the cells go too (nothing outlives its use).
+            _cells.clear()
+            _free.clear()
     if export.finalizer is not None:
         export.finalizer.detach()
     return True
