@@ -171,6 +171,18 @@ def test_nested_pickling_gives_each_byte_string_its_own_ticket():
     assert delta(before, "segments_reused") == 1
 
 
+def test_more_messages_in_flight_than_slots_still_load():
+    shared = torchshm.share(np.arange(10_000.0))
+    before = torchshm.stats()
+    messages = [dumps(shared) for _ in range(_C.SLOTS + 20)]
+    # Past the slots, messages go without a ticket: valid while the sender
+    # holds the memory, as it does here.
+    assert delta(before, "tickets_unavailable") >= 20
+    for data in messages:
+        np.testing.assert_array_equal(pickle.loads(data), shared)
+    assert segment(shared).holders == 2  # the pool and this process's view
+
+
 # 6. Containers and other users ----------------------------------------------
 
 

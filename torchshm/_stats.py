@@ -18,6 +18,7 @@ COUNTERS = (
     "segments_attached",
     "segments_reused",  # a pooled segment reused by a sender (no fresh pages)
     "mappings_reused",  # a receiver reused a cached mapping (no page faults)
+    "tickets_unavailable",  # every holder slot taken: sent without a ticket
 )
 
 
