@@ -1,4 +1,6 @@
-"""Shared fixtures: start methods, bounded child runs, and the leak checker."""
+"""Shared fixtures: start methods, bounded child runs, the leak checker (on
+every multiprocess test by itself), the reducer registry restored after each
+test, and counter deltas."""
 
 import gc
 import json
@@ -6,7 +8,9 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 
 # Every array of at least one byte is shared, so small test arrays exercise the
 # shared path; set before torchshm is imported so that children inherit it.
@@ -15,10 +19,45 @@ os.environ.setdefault("TORCHSHM_THRESHOLD", "1")
 import pytest  # noqa: E402
 
 import torchshm  # noqa: E402
-from torchshm import _session  # noqa: E402
+from torchshm import _registry, _session  # noqa: E402
 
 START_METHODS = ("fork", "spawn", "forkserver")
 TIMEOUT = 60
+# The dead-process reaper frees a segment within ~1-2 s, and a never-received
+# message's ticket dies ~2-3 s after its pipe closes (Note [Segment lifetime]
+# in csrc/segment.h): the leak check waits this long for both.
+LEAK_GRACE = 10
+
+# Modules whose tests start processes (directly, through a pool or a
+# DataLoader, or a driver in a session of its own) or check memory that
+# processes share: every test in them gets the leak check. (Not
+# test_bad_input: its in-process test holds memmap files until pytest drops
+# the fixture, after any check; its multiprocess tests ask for ctx or child.)
+MULTIPROCESS_MODULES = {
+    "test_dataloader",
+    "test_faults",
+    "test_handles",
+    "test_lifetime",
+    "test_limits",
+    "test_multiprocess",
+    "test_pandas_xarray",
+    "test_pools",
+    "test_reuse",
+}
+# A test that asks for one of these fixtures starts processes, wherever it is.
+MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "multiprocess: the test starts processes; the no_leaks check applies",
+    )
+    config.addinivalue_line(
+        "markers",
+        "keeps_segments(reason): a multiprocess test that leaves shared memory"
+        " alive on purpose (e.g. a module-level shared object); no leak check",
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,26 +85,134 @@ def open_fds():
     return set(os.listdir("/proc/self/fd"))
 
 
-@pytest.fixture
-def no_leaks():
-    """Fails a test that leaves a segment or an fd behind once its processes
-    are gone (after a short grace period for exiting children). The pool keeps
-    idle segments on purpose; trim() hands them back before counting."""
+def segment_mappings():
+    """Lines of /proc/self/maps that map a torchshm segment file (unlinked
+    ones included: they read '... (deleted)')."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "/dev/shm/torchshm_" in line]
+
+
+def session_bytes(names=None):
+    """Bytes of /dev/shm that this session's segments take (allocated blocks,
+    not their nominal sizes)."""
+    total = 0
+    for name in session_segments() if names is None else names:
+        try:
+            total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def _leak_snapshot():
     gc.collect()
     torchshm.trim()
-    segments, fds = session_segments(), len(open_fds())
+    segments = session_segments()
+    return {
+        "segments": segments,
+        "fds": len(open_fds()),
+        "mappings": len(segment_mappings()),
+        "bytes": session_bytes(segments),
+    }
+
+
+def _leaks(before):
+    now = _leak_snapshot()
+    leaks = {}
+    extra = now["segments"] - before["segments"]
+    if extra:
+        leaks["segments left behind"] = sorted(extra)
+    for key, what in (
+        ("fds", "fds left open"),
+        ("mappings", "segment mappings left in /proc/self/maps"),
+        ("bytes", "bytes of /dev/shm more in this session's segments"),
+    ):
+        if now[key] > before[key]:
+            leaks[what] = now[key] - before[key]
+    return leaks
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails a test that leaves a segment, an fd, a mapping of a segment or
+    /dev/shm bytes of this session behind once its processes are gone. Dead
+    processes' segments and unreceived tickets take a few seconds to die (see
+    LEAK_GRACE); the pool and the mapping cache keep idle memory on purpose,
+    and trim() hands it back before each count."""
+    before = _leak_snapshot()
     yield
-    deadline = time.monotonic() + 10
-    while True:
-        gc.collect()
-        torchshm.trim()
-        extra_segments = session_segments() - segments
-        extra_fds = len(open_fds()) - fds
-        if (not extra_segments and extra_fds <= 0) or time.monotonic() > deadline:
-            break
+    deadline = time.monotonic() + LEAK_GRACE
+    while (leaks := _leaks(before)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not extra_segments, f"segments left behind: {sorted(extra_segments)}"
-    assert extra_fds <= 0, f"{extra_fds} fds left open"
+    assert not leaks, f"after {LEAK_GRACE} s: {leaks}"
+
+
+def is_multiprocess(item):
+    """Whether a test starts processes: it asks for ctx, child or method, is
+    marked multiprocess, or lives in a module of MULTIPROCESS_MODULES."""
+    module = item.module.__name__.rpartition(".")[2] if item.module else ""
+    return bool(
+        MULTIPROCESS_FIXTURES & set(item.fixturenames)
+        or item.get_closest_marker("multiprocess")
+        or module in MULTIPROCESS_MODULES
+    )
+
+
+@pytest.fixture(autouse=True)
+def _leak_check_for_multiprocess_tests(request):
+    """no_leaks for every multiprocess test, unless it opts out with
+    @pytest.mark.keeps_segments(reason=...). A test that names no_leaks itself
+    keeps its own fixture order (a fixture whose files pytest holds until the
+    test is dropped must come before it)."""
+    keeps = request.node.get_closest_marker("keeps_segments")
+    if keeps is not None:
+        if not (keeps.kwargs.get("reason") or keeps.args):
+            pytest.fail("keeps_segments needs a reason")
+    elif "no_leaks" not in request.fixturenames and is_multiprocess(request.node):
+        request.getfixturevalue("no_leaks")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def reducer_registry():
+    """Restores ForkingPickler's reducers for ndarrays, torchshm's
+    registration state and the threshold after each test, so that one calling
+    register(), unregister(), disabled() or set_threshold() cannot change the
+    next. Reducers that an import registered during the test (torch's, the
+    first time torch.multiprocessing is imported) stay."""
+    table = ForkingPickler._extra_reducers
+    saved, previous = dict(table), _registry._previous
+    threshold = torchshm.get_threshold()
+    yield
+    with _registry._lock:
+        for t in list(table):
+            if t not in saved and t in _registry.TYPES:
+                del table[t]
+        table.update(saved)
+        _registry._previous = previous
+    torchshm.set_threshold(threshold)
+
+
+def stats_delta(before, after=None):
+    """What torchshm.stats() gained since `before` (a stats() snapshot taken
+    just before the action under test), fallbacks included."""
+    after = torchshm.stats() if after is None else after
+    delta = {k: after[k] - before[k] for k in after if k != "fallbacks"}
+    delta["fallbacks"] = {
+        k: n - before["fallbacks"].get(k, 0)
+        for k, n in after["fallbacks"].items()
+        if n != before["fallbacks"].get(k, 0)
+    }
+    return delta
+
+
+def bounded(fn, *args, timeout=TIMEOUT):
+    """Calls a wait that takes no timeout (Pool.join, an executor's shutdown)
+    in a thread, and fails the test if it is not done within `timeout`."""
+    done = threading.Thread(target=fn, args=args, daemon=True)
+    done.start()
+    done.join(timeout)
+    assert not done.is_alive(), f"{fn} did not return within {timeout} s"
 
 
 def run_script(tmp_path, source, *args):
@@ -92,7 +239,9 @@ class Child:
         self.process = ctx.Process(
             target=target, args=(self.inbox, self.outbox) + args, daemon=True
         )
+        self.process_name = f"{target.__module__}.{target.__name__}"
         self.process.start()
+        self.exitcode = None
 
     def send(self, obj):
         self.inbox.put(obj)
@@ -105,7 +254,7 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(TIMEOUT)
-        exitcode = self.process.exitcode
+        exitcode = self.exitcode = self.process.exitcode
         for q in (self.inbox, self.outbox):
             q.close()
             q.join_thread()
@@ -134,6 +283,17 @@ def child():
     for c in children:
         if c.inbox is not None:
             c.close()
+    failed = {c.process_name: c.exitcode for c in children if c.exitcode != 0}
+    assert not failed, f"children exited with {failed}"
 
 
-__all__ = ["torchshm", "Child", "session_segments", "open_fds"]
+__all__ = [
+    "torchshm",
+    "Child",
+    "bounded",
+    "open_fds",
+    "segment_mappings",
+    "session_bytes",
+    "session_segments",
+    "stats_delta",
+]

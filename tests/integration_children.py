@@ -13,13 +13,14 @@ import xarray as xr
 import torchshm
 
 Pair = collections.namedtuple("Pair", "image label")
+TIMEOUT = 120  # every wait in a child is bounded (see tests/children.py)
 
 
 def echo(inbox, outbox):
     """Sends back whatever arrives, until None. (iter(inbox.get, None) would
     stop at an xarray object: its `== None` is elementwise and truthy.)"""
     while True:
-        obj = inbox.get()
+        obj = inbox.get(timeout=TIMEOUT)
         if obj is None:
             return
         outbox.put(obj)

@@ -8,7 +8,7 @@ import pytest
 
 import torchshm
 from tests import fault_children, isolated
-from tests.conftest import TIMEOUT
+from tests.conftest import TIMEOUT, bounded
 
 
 @pytest.mark.parametrize("n", [1_000, 5_000_000])
@@ -68,7 +68,7 @@ def test_pool_workers_that_exit_after_each_task(ctx, no_leaks):
         # Not `with Pool`: its terminate() SIGTERMs workers that may still be
         # exiting, and their pooled segments then live until the session ends.
         pool.close()
-        pool.join()
+        bounded(pool.join)
     for seed, got in enumerate(results):
         np.testing.assert_array_equal(got, fault_children.pool_array(seed))
         assert torchshm.is_shared(got)

@@ -26,7 +26,7 @@ def test_sender_exits_right_after_sending(ctx, no_leaks, child):
     received = c.receive()
     for got, sent in zip(received, cases.matrix_arrays()):
         cases.assert_same_array(got, sent, keep_strides=not cases.is_sparse(sent))
-    c.close()
+    assert c.close() == 0
 
 
 def test_child_writes_are_seen_by_the_parent(ctx, no_leaks, child):

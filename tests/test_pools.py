@@ -11,7 +11,7 @@ import pytest
 
 import torchshm
 from tests import integration_children as ic
-from tests.conftest import TIMEOUT
+from tests.conftest import TIMEOUT, bounded, stats_delta
 
 WORKERS = 2
 
@@ -40,17 +40,17 @@ def test_initializer_model_is_shared_memory_in_workers(ctx, no_leaks, pool):
         with ctx.Pool(WORKERS, ic.init_model, (model,)) as p:
             results = p.map_async(ic.score_user, users).get(TIMEOUT)
             p.close()
-            p.join()
+            bounded(p.join)
     check_scores(results, model)
 
 
 def test_a_shared_model_is_sent_with_every_task_without_a_copy(ctx, no_leaks):
     model = torchshm.share(ic.Model(items=500, users=50))
-    torchshm.reset_stats()
+    before = torchshm.stats()
     with executor(ctx) as ex:
         futures = [ex.submit(ic.score_with, model, user) for user in range(4)]
         results = [f.result(TIMEOUT) for f in futures]
-    assert torchshm.stats()["bytes_copied"] == 0
+    assert stats_delta(before)["bytes_copied"] == 0
     for user, (scores, item_features, shared) in enumerate(results):
         np.testing.assert_array_equal(scores, model.score(user))
         assert shared
@@ -106,7 +106,7 @@ def test_results_from_workers_that_exit_after_each_task(ctx, no_leaks):
     with ctx.Pool(WORKERS, maxtasksperchild=1) as p:
         results = p.map_async(ic.make_result, range(3), chunksize=1).get(TIMEOUT)
         p.close()
-        p.join()
+        bounded(p.join)
     check_results(results)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import torchshm
 from tests import children
-from tests.conftest import session_segments
+from tests.conftest import TIMEOUT, session_segments
 from torchshm import _pool, _segments
 
 
@@ -145,6 +145,8 @@ def test_terminated_pool_workers_leave_no_segments(ctx, no_leaks):
     # `with Pool(...)` ends its live workers with SIGTERM (Pool.terminate()),
     # while their pools still hold the segments their results went out in.
     with ctx.Pool(2) as pool:
-        results = pool.map(children.make_array, [200_000] * 4, chunksize=1)
+        results = pool.map_async(children.make_array, [200_000] * 4, chunksize=1).get(
+            TIMEOUT
+        )
         assert all((r == 5.0).all() for r in results)
         del results

@@ -15,6 +15,7 @@ from numpy.lib.stride_tricks import as_strided
 import torchshm
 from torchshm import _reduction
 from tests import cases
+from tests.conftest import stats_delta
 
 
 def roundtrip(obj):
@@ -49,12 +50,15 @@ def test_sender_memory_is_never_touched():
 def test_views_of_one_base_arrive_aliased():
     base = np.arange(1_000_000, dtype=np.int64)
     views = (base, base[10:], base[::-1], base.reshape(1000, 1000).T, base[5:900])
+    before = torchshm.stats()
     received = roundtrip(views)
+    delta = stats_delta(before)
+    assert delta["segments_created"] + delta["segments_reused"] == 1  # one copy
+    assert delta["bytes_copied"] == base.nbytes
     for v in received[1:]:
         assert np.shares_memory(received[0], v)
     received[0][10] = -7  # write through one, read through the others
     assert received[1][0] == -7 and received[2][-11] == -7 and received[3][10, 0] == -7
-    assert torchshm.stats()["segments_created"] >= 1
 
 
 def test_sibling_views_share_one_copy_without_their_base():
@@ -207,18 +211,6 @@ def test_plain_pickle_stays_by_value():
     assert not torchshm.is_shared(pickle.loads(data))
 
 
-def _stats_delta(before, after):
-    """What stats() gained between two snapshots, fallbacks included."""
-    delta = {k: after[k] - before[k] for k in after if k != "fallbacks"}
-    fallbacks = after["fallbacks"]
-    delta["fallbacks"] = {
-        k: n - before["fallbacks"].get(k, 0)
-        for k, n in fallbacks.items()
-        if n != before["fallbacks"].get(k, 0)
-    }
-    return delta
-
-
 def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
     """The reason is decided by the error's errno, never by its text."""
     from torchshm import _segments
@@ -233,7 +225,7 @@ def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
     with pytest.warns(RuntimeWarning, match="pickling it by value"):
         received = roundtrip(a)
     np.testing.assert_array_equal(received, a)
-    delta = _stats_delta(before, torchshm.stats())
+    delta = stats_delta(before)
     assert delta["fallbacks"] == {"no space in /dev/shm": 1}
 
 
@@ -250,7 +242,7 @@ def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
     with pytest.warns(RuntimeWarning, match="report this as a bug"):
         received = roundtrip(a)
     np.testing.assert_array_equal(received, a)
-    delta = _stats_delta(before, torchshm.stats())
+    delta = stats_delta(before)
     assert delta["fallbacks"] == {"internal error: RuntimeError": 1}
 
 
