@@ -1,4 +1,5 @@
-"""User-tunable policy: the size below which arrays are pickled inline.
+"""User-tunable policy: the size below which arrays are pickled inline, and
+every environment variable torchshm reads (Note [Environment variables]).
 
 Note [Default threshold]
 Sharing has a fixed cost per message (a pooled segment, its name, a view on
@@ -11,34 +12,140 @@ many arrays are still packed (see PACK_MIN in _reduction.py).
 """
 
 import functools
+import math
 import os
 import re
+import threading
+import warnings
 
 DEFAULT_THRESHOLD = 256 * 1024
+DEFAULT_POOL_IDLE_SECONDS = 30.0
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+# Note [Environment variables]
+# Every variable torchshm reads is in SETTINGS, with what it accepts. All of
+# them are checked when torchshm is imported (this module's last line) and by
+# register(), so a bad value is a ValueError in the importing or registering
+# thread, naming the variable, the value and what is accepted. The threshold
+# and TORCHSHM_DISABLE are read right there; the pool and cache settings are
+# read again when used (so a process may change them), and that happens inside
+# reducers, feeder threads and timers, where raising would lose a message or
+# stop a timer: a value made bad after the check is reported there by one
+# RuntimeWarning and the last good value (or the default) stays in force.
+# An empty value counts as unset, as with Python's own PYTHON* variables.
+
+SIZE = (
+    "a size in bytes: a non-negative integer, optionally with K, M or G"
+    " (binary units), e.g. 131072, 128K or 1M"
+)
+SECONDS = "a non-negative number of seconds, e.g. 30 or 0.5"
+BOOLEAN = "one of 1, 0, true, false, yes, no (any case)"
+SESSION = (
+    "letters and digits only (torchshm sets it for the processes of a session;"
+    " unset it to start a new session)"
+)
 
 
 def parse_size(text):
     """Bytes from '131072', '128K', '1M' or '2G' (binary units)."""
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
     if not match:
-        raise ValueError(
-            f"expected a size in bytes such as 131072, 128K or 1M, got {text!r}"
-        )
+        raise ValueError(f"expected {SIZE}; got {text!r}")
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def parse_seconds(text):
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected {SECONDS}; got {text!r}")
+    return value
+
+
+def parse_boolean(text):
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"expected {BOOLEAN}; got {text!r}")
+    return word in _TRUE
+
+
+def parse_session(text):
+    if not re.fullmatch(r"[0-9A-Za-z]+", text):
+        raise ValueError(f"expected {SESSION}; got {text!r}")
+    return text
+
+
+# name -> (parser, what it accepts)
+SETTINGS = {
+    "TORCHSHM_THRESHOLD": (parse_size, SIZE),
+    "TORCHSHM_POOL_BYTES": (parse_size, SIZE),
+    "TORCHSHM_POOL_IDLE_SECONDS": (parse_seconds, SECONDS),
+    "TORCHSHM_MAPPING_CACHE_BYTES": (parse_size, SIZE),
+    "TORCHSHM_DISABLE": (parse_boolean, BOOLEAN),
+    "TORCHSHM_SESSION": (parse_session, SESSION),
+}
+
+
+def env_setting(name, default=None):
+    """The parsed value of environment variable `name` (one of SETTINGS), or
+    `default` when it is unset or empty. A bad value raises ValueError naming
+    the variable, the value and what is accepted."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    parse, accepted = SETTINGS[name]
+    try:
+        return parse(text)
+    except ValueError:
+        raise ValueError(
+            f"torchshm: environment variable {name}={text!r} is not valid:"
+            f" expected {accepted}"
+        ) from None
+
+
+def check_environment():
+    """Raises one ValueError naming every torchshm environment variable whose
+    value is bad (see Note [Environment variables])."""
+    errors = []
+    for name in SETTINGS:
+        try:
+            env_setting(name)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
+_last_good = {}  # name -> (text, value): what a bad value falls back to
+_last_good_lock = threading.Lock()
+
+
+def _env_setting_at_use(name, default):
+    """env_setting() for reads inside reducers, feeder threads and timers:
+    never raises (see Note [Environment variables])."""
+    text = os.environ.get(name, "")
+    with _last_good_lock:
+        last = _last_good.get(name)
+        if last is not None and last[0] == text:
+            return last[1]
+        try:
+            value = env_setting(name, default)
+        except ValueError as exc:
+            kept = default if last is None else last[1]
+            warnings.warn(f"{exc}; keeping {kept!r}", RuntimeWarning, stacklevel=3)
+            value = kept
+        _last_good[name] = (text, value)
+        return value
+
+
 def registration_disabled():
-    """TORCHSHM_DISABLE=1 (or true/yes): import, and workers, do not register."""
-    return os.environ.get("TORCHSHM_DISABLE", "") in ("1", "true", "yes")
+    """TORCHSHM_DISABLE=1 (or true/yes, any case): import, and workers, do not
+    register. Any value other than 0/1/true/false/yes/no is a ValueError."""
+    return env_setting("TORCHSHM_DISABLE", False)
 
 
-def _threshold_from_env():
-    text = os.environ.get("TORCHSHM_THRESHOLD")
-    return DEFAULT_THRESHOLD if text is None else parse_size(text)
-
-
-_threshold = _threshold_from_env()
+check_environment()  # at import: see Note [Environment variables]
+_threshold = env_setting("TORCHSHM_THRESHOLD", DEFAULT_THRESHOLD)
 
 
 def get_threshold():
@@ -77,24 +184,19 @@ def _default_cap():
     return min(st.f_blocks * st.f_frsize // 4, 4 << 30)
 
 
-def _bytes_from_env(name, default):
-    text = os.environ.get(name)
-    return default if text is None else parse_size(text)
-
-
 def pool_bytes():
     """Cap on the shared memory a session's senders keep pooled for reuse, all
     processes together (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at
     most 4 GiB; 0 turns pooling off)."""
-    return _bytes_from_env("TORCHSHM_POOL_BYTES", _default_cap())
+    return _env_setting_at_use("TORCHSHM_POOL_BYTES", _default_cap())
 
 
 def pool_idle_seconds():
     """A pooled segment unused this long is released (TORCHSHM_POOL_IDLE_SECONDS)."""
-    return float(os.environ.get("TORCHSHM_POOL_IDLE_SECONDS", "30"))
+    return _env_setting_at_use("TORCHSHM_POOL_IDLE_SECONDS", DEFAULT_POOL_IDLE_SECONDS)
 
 
 def mapping_cache_bytes():
     """Cap on idle mappings a receiver keeps so that segments reused by a
     sender's pool are not faulted in again (TORCHSHM_MAPPING_CACHE_BYTES)."""
-    return _bytes_from_env("TORCHSHM_MAPPING_CACHE_BYTES", _default_cap())
+    return _env_setting_at_use("TORCHSHM_MAPPING_CACHE_BYTES", _default_cap())

@@ -7,7 +7,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
-from torchshm import _reduction, _session
+from torchshm import _config, _reduction, _session
 
 TYPES = (np.ndarray,) + _reduction.SUBCLASSES
 _lock = threading.Lock()
@@ -15,8 +15,13 @@ _previous = None  # the reducers we replaced, restored by unregister()
 
 
 def register():
-    """Sends eligible ndarrays through shared memory from now on (idempotent)."""
+    """Sends eligible ndarrays through shared memory from now on (idempotent).
+
+    Raises ValueError for a bad TORCHSHM_* environment variable here, in the
+    caller's thread, rather than later inside a reducer (worker_init_fn calls
+    this in each worker)."""
     global _previous
+    _config.check_environment()
     _session.join()
     with _lock:
         if _previous is not None:
