@@ -62,13 +62,24 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_start_methods():
-    # The forkserver and the resource tracker keep fds open for the whole run;
-    # start them before any test counts fds.
+    # The forkserver, the resource tracker and torch's shm manager (its
+    # file_system strategy) keep fds open for the whole run; start them before
+    # any test counts fds.
     for method in START_METHODS:
         ctx = mp.get_context(method)
         p = ctx.Process(target=os.getpid)
         p.start()
         p.join(TIMEOUT)
+        assert p.exitcode == 0
+    import torch
+    import torch.multiprocessing
+
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        torch.zeros(1).share_memory_()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 @pytest.fixture(params=START_METHODS)
