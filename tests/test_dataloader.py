@@ -2,6 +2,7 @@
 and xarray samples arrive equal and in shared memory, unbatched and batched
 with torchshm.collate (one segment per batch)."""
 
+import re
 import textwrap
 
 import numpy as np
@@ -122,9 +123,9 @@ def test_collate_below_the_threshold_uses_ordinary_memory():
     np.testing.assert_array_equal(batch, [np.ones(10), np.zeros(10)])
 
 
-def test_worker_init_fn_chains_the_users_function():
+def test_chain_registers_then_calls_the_users_function():
     calls = []
-    init = torchshm.worker_init_fn(calls.append)
+    init = torchshm.chain(calls.append)
     torchshm.unregister()
     try:
         init(3)
@@ -133,6 +134,38 @@ def test_worker_init_fn_chains_the_users_function():
         torchshm.register()
     assert calls == [3]
     assert torchshm.worker_init_fn(0) is None
+
+
+def test_worker_init_fn_of_a_function_still_chains_but_is_deprecated():
+    calls = []
+    with pytest.warns(DeprecationWarning, match=r"torchshm\.chain\(fn\)"):
+        init = torchshm.worker_init_fn(calls.append)
+    init(5)
+    assert calls == [5]
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("datapipe_worker_init_fn", "torchshm.torchdata.worker_init_fn"),
+        ("in_workers", "torchshm.torchdata.in_workers"),
+        ("share_memory", "torchshm.torchdata.to_shared"),
+        ("map_fn", "torchshm.chain"),
+    ],
+)
+def test_moved_names_still_work_for_one_release(old, new):
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        fn = getattr(torchshm, old)
+    assert callable(fn)
+    assert old not in torchshm.__all__
+
+
+def test_the_old_datapipe_worker_init_fn_keeps_both_forms():
+    with pytest.warns(DeprecationWarning):
+        old = torchshm.datapipe_worker_init_fn
+    pipe = object()
+    assert old(pipe, "info") is pipe
+    assert old(lambda datapipe, info: (datapipe, info))(pipe, "info") == (pipe, "info")
 
 
 # A user's script that imports torchshm only inside main(): spawn and
@@ -166,7 +199,7 @@ SCRIPT = textwrap.dedent(
 
         kwargs = {}
         if mode == "worker_init_fn":
-            kwargs["worker_init_fn"] = torchshm.worker_init_fn(user_init)
+            kwargs["worker_init_fn"] = torchshm.chain(user_init)
         elif mode == "preload":
             multiprocessing.set_forkserver_preload(["torchshm"])
         loader = DataLoader(Frames(), batch_size=None, num_workers=2,

@@ -90,7 +90,7 @@ def check(received):
 
 def service(ctx, **kwargs):
     init = (
-        torchshm.datapipe_worker_init_fn if NEW_SIGNATURE else torchshm.worker_init_fn
+        torchshm.torchdata.worker_init_fn if NEW_SIGNATURE else torchshm.worker_init_fn
     )
     return dataloader2.MultiProcessingReadingService(
         num_workers=2,
@@ -107,7 +107,7 @@ def test_reading_service_workers_register(ctx, no_leaks):
 
 @needs_dataloader2
 def test_reading_service_share_memory_map_moves_items_in_the_worker(ctx, no_leaks):
-    check(run(pipeline().map(torchshm.share_memory), service(ctx)))
+    check(run(pipeline().map(torchshm.torchdata.to_shared), service(ctx)))
 
 
 needs_prototype = pytest.mark.skipif(
@@ -121,7 +121,7 @@ def test_prototype_reading_service_with_in_workers(ctx, no_leaks):
     rs = dataloader2.PrototypeMultiProcessingReadingService(
         num_workers=2, multiprocessing_context=ctx.get_start_method()
     )
-    check(run(torchshm.in_workers(pipeline()), rs))
+    check(run(torchshm.torchdata.in_workers(pipeline()), rs))
 
 
 @needs_dataloader2
@@ -129,14 +129,14 @@ def test_reading_service_datapipe_worker_init_fn_chains_and_returns_the_datapipe
     from torchdata.datapipes.iter import IterableWrapper
 
     pipe = pipeline()
-    assert torchshm.datapipe_worker_init_fn(pipe, None) is pipe
+    assert torchshm.torchdata.worker_init_fn(pipe, None) is pipe
     calls = []
 
     def user_init(datapipe, worker_info):
         calls.append(worker_info)
         return datapipe.map(str)
 
-    init = torchshm.datapipe_worker_init_fn(user_init)
+    init = torchshm.chain(user_init)
     torchshm.unregister()
     try:
         out = init(IterableWrapper([1, 2]), "info")
@@ -168,7 +168,7 @@ SCRIPT = textwrap.dedent(
         pipe = IterableWrapper(range(4)).sharding_filter().map(frame)
         if service == "prototype":
             if mode == "helper":
-                pipe = torchshm.in_workers(pipe)
+                pipe = torchshm.torchdata.in_workers(pipe)
             rs = dataloader2.PrototypeMultiProcessingReadingService(
                 num_workers=2, multiprocessing_context="spawn")
         else:
@@ -177,7 +177,7 @@ SCRIPT = textwrap.dedent(
                 params = inspect.signature(
                     dataloader2.MultiProcessingReadingService).parameters
                 kwargs["worker_init_fn"] = (
-                    torchshm.datapipe_worker_init_fn
+                    torchshm.torchdata.worker_init_fn
                     if "worker_prefetch_cnt" in params
                     else torchshm.worker_init_fn)
             rs = dataloader2.MultiProcessingReadingService(
@@ -336,7 +336,7 @@ def parallel_map(ctx, fn, n=N):
 
 @needs_nodes
 def test_nodes_parallel_mapper_processes_send_shared_arrays(ctx, no_leaks):
-    received = parallel_map(ctx, torchshm.map_fn(large_sample))
+    received = parallel_map(ctx, torchshm.chain(large_sample))
     assert [got["i"] for got in received] == list(range(N))
     for got in received:  # before any lookup makes pandas build caches
         assert_all_shared(got)
@@ -347,7 +347,7 @@ def test_nodes_parallel_mapper_processes_send_shared_arrays(ctx, no_leaks):
 @needs_nodes
 def test_nodes_parallel_mapper_mixed_samples(ctx, no_leaks):
     fn = functools.partial(ic.make_sample, "mixed")
-    received = parallel_map(ctx, torchshm.map_fn(fn))
+    received = parallel_map(ctx, torchshm.chain(fn))
     check(received)
 
 
@@ -369,7 +369,7 @@ NODES_SCRIPT = textwrap.dedent(
     def main(mode):
         import torchshm
 
-        fn = torchshm.map_fn(frame) if mode == "helper" else frame
+        fn = torchshm.chain(frame) if mode == "helper" else frame
         mapper = nodes.ParallelMapper(
             nodes.IterableWrapper(range(4)), map_fn=fn, num_workers=2,
             method="process", multiprocessing_context="spawn")

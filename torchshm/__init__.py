@@ -16,6 +16,7 @@ _C = load_native()
 from torchshm import _config  # noqa: E402
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
 from torchshm._dataloader import (  # noqa: E402
+    chain,
     collate,
     convert,
     worker_init_fn,
@@ -31,38 +32,63 @@ from torchshm._registry import (  # noqa: E402
 from torchshm._share import share  # noqa: E402
 from torchshm._segments import trim  # noqa: E402
 from torchshm._stats import reset_stats, stats  # noqa: E402
-from torchshm._torchdata import (  # noqa: E402
-    datapipe_worker_init_fn,
-    in_workers,
-    map_fn,
-    share_memory,
-)
+from torchshm import torchdata  # noqa: E402
 from torchshm._version import __version__  # noqa: E402, F401
 
 __all__ = [
+    "chain",
     "collate",
     "convert",
-    "datapipe_worker_init_fn",
     "disabled",
     "dumps",
     "get_threshold",
     "HandleError",
-    "in_workers",
     "is_registered",
     "is_shared",
     "loads",
-    "map_fn",
     "register",
     "release",
     "reset_stats",
     "set_threshold",
     "share",
-    "share_memory",
     "stats",
+    "torchdata",
     "trim",
     "unregister",
     "worker_init_fn",
 ]
+
+# Names of 0.1 that moved, kept for one release (PEP 562: the warning points
+# at the user's line that uses the old name).
+_MOVED = {
+    "datapipe_worker_init_fn": (
+        "torchshm.torchdata.worker_init_fn, or torchshm.chain(fn) to chain yours",
+        lambda: _deprecated_datapipe_worker_init_fn,
+    ),
+    "in_workers": ("torchshm.torchdata.in_workers", lambda: torchdata.in_workers),
+    "share_memory": ("torchshm.torchdata.to_shared", lambda: torchdata.to_shared),
+    "map_fn": ("torchshm.chain", lambda: chain),
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        import warnings
+
+        new, target = _MOVED[name]
+        warnings.warn(
+            f"torchshm.{name} is deprecated: use {new}", DeprecationWarning, 2
+        )
+        return target()
+    raise AttributeError(f"module 'torchshm' has no attribute {name!r}")
+
+
+def _deprecated_datapipe_worker_init_fn(datapipe_or_fn, worker_info=None):
+    """0.1's datapipe_worker_init_fn: a hook, or (given a function) a chain."""
+    if worker_info is None and callable(datapipe_or_fn):
+        return chain(datapipe_or_fn)
+    return torchdata.worker_init_fn(datapipe_or_fn, worker_info)
+
 
 if not _config.registration_disabled():
     register()

@@ -31,18 +31,29 @@ _ALIGN = 64
 BATCH_DIM = "batch"
 
 
-def worker_init_fn(worker_id_or_fn):
-    """DataLoader `worker_init_fn` that registers torchshm's reducers.
-
-    Pass it as is, `DataLoader(..., worker_init_fn=torchshm.worker_init_fn)`,
-    or wrap your own function: `worker_init_fn=torchshm.worker_init_fn(fn)`
-    returns a picklable callable that registers, then calls `fn(worker_id)`.
-    See Note [Registration in workers].
-    """
-    if callable(worker_id_or_fn):
-        return RegisterThenCall(worker_id_or_fn, "torchshm.worker_init_fn")
+def worker_init_fn(worker_id):
+    """DataLoader `worker_init_fn` that registers torchshm's reducers:
+    `DataLoader(..., worker_init_fn=torchshm.worker_init_fn)`. To run your own
+    function too, pass `torchshm.chain(your_fn)`. See Note [Registration in
+    workers]."""
+    if callable(worker_id):  # the 0.1 form, worker_init_fn(your_fn)
+        warnings.warn(
+            "torchshm.worker_init_fn(fn) is deprecated: use torchshm.chain(fn)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return chain(worker_id)
     _register_in_worker()
     return None
+
+
+def chain(fn):
+    """A picklable hook that registers torchshm in the process that calls it,
+    then returns `fn(*args)`: for a DataLoader's `worker_init_fn(worker_id)`,
+    torchdata's `worker_init_fn(datapipe, worker_info)`, or the map function
+    of a process pool that has no other hook (torchdata.nodes.ParallelMapper,
+    Pool.map)."""
+    return RegisterThenCall(fn, "torchshm.chain")
 
 
 class RegisterThenCall:

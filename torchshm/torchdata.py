@@ -1,0 +1,59 @@
+"""torchdata integration: `torchshm.torchdata`.
+
+torchdata is never imported here: the helpers only call methods of the
+datapipe they are given, so torchshm imports without torchdata and these
+work with torchdata 0.5 to 0.11 (and torch's own datapipes).
+
+- `MultiProcessingReadingService` 0.6-0.9 takes
+  `worker_init_fn(datapipe, worker_info) -> datapipe`: pass
+  `torchshm.torchdata.worker_init_fn`, or `torchshm.chain(your_fn)` to run
+  your own after registering.
+- 0.5's `MultiProcessingReadingService` is the classic DataLoader: pass
+  `torchshm.worker_init_fn`. 0.5's `PrototypeMultiProcessingReadingService`
+  has no worker hook: `torchshm.torchdata.in_workers(datapipe)` makes the
+  datapipe itself import torchshm wherever it is unpickled (see
+  Note [Registration in workers] in _dataloader.py).
+- `torchdata.stateful_dataloader.StatefulDataLoader` (0.8+) is a DataLoader:
+  `worker_init_fn=torchshm.worker_init_fn`, `collate_fn=torchshm.collate`.
+- `torchdata.nodes.ParallelMapper(..., method="process")` (0.10+) has no
+  worker hook either, only the map function it pickles into each worker:
+  `map_fn=torchshm.chain(your_fn)` registers there, then calls `your_fn`.
+"""
+
+from torchshm import _registry, _share
+from torchshm._dataloader import _register_in_worker
+
+__all__ = ["in_workers", "to_shared", "worker_init_fn"]
+
+
+def worker_init_fn(datapipe, worker_info=None):
+    """torchdata 0.6-0.9 `worker_init_fn(datapipe, worker_info)`: registers
+    torchshm's reducers in the worker and returns the datapipe unchanged."""
+    _register_in_worker()
+    return datapipe
+
+
+def to_shared(item):
+    """Map function: the item with its arrays moved into shared memory.
+
+    `datapipe.map(torchshm.torchdata.to_shared)` pays the copy inside the
+    worker, in the pipeline, instead of in the queue's feeder thread; the
+    send is then O(1), and a prefetch or shuffle buffer after it holds shared
+    memory. Items that torchshm cannot share pass through as they are.
+    """
+    _register_in_worker()
+    if not _registry.is_registered():  # TORCHSHM_DISABLE=1: leave items alone
+        return item
+    return _share.share(item)
+
+
+def _registered(item):
+    return item
+
+
+def in_workers(datapipe):
+    """`datapipe` followed by a no-op map whose function lives in torchshm, so
+    that every process that unpickles the pipeline imports (and registers)
+    torchshm: for reading services without a worker hook, such as torchdata
+    0.5's PrototypeMultiProcessingReadingService."""
+    return datapipe.map(_registered)
