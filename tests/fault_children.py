@@ -231,8 +231,9 @@ def kill_round_parent(stats, messages, seed):
     reader.close()
     writer.close()
     stats[SENDER_PID], stats[RECEIVER_PID] = sender.pid, receiver.pid
-    sender.join()
-    receiver.join()
+    # The driver kills whatever outlives ROUND_TIMEOUT; never wait longer.
+    sender.join(ROUND_TIMEOUT)
+    receiver.join(ROUND_TIMEOUT)
 
 
 VICTIMS = ("sender", "receiver", "parent", None)

@@ -42,6 +42,12 @@ def copy_under_thread_limit(nbytes):
 
     import torch
 
+    # Everything that may start a thread of its own (torch's OpenMP pool)
+    # runs before the limit; then only torchshm's copy threads are asked for.
+    torch.set_num_threads(1)
+    src = np.arange(nbytes, dtype=np.uint8)
+    dest = torch.zeros(nbytes, dtype=torch.int8)
+    expected = dest.numpy().view(np.uint8)
     uid = os.getuid()
     tasks = 0
     for pid in os.listdir("/proc"):
@@ -53,10 +59,8 @@ def copy_under_thread_limit(nbytes):
             except OSError:
                 pass
     resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
-    src = np.arange(nbytes, dtype=np.uint8)
-    dest = torch.zeros(nbytes, dtype=torch.int8)
     _C.copy_extent(src, dest, 0, 4)
-    ok = bool((dest.numpy().view(np.uint8) == src).all())
+    ok = bool(np.array_equal(expected, src))
     print("ok" if ok else "mismatch", flush=True)
 
 

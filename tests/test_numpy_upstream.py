@@ -86,6 +86,16 @@ DELIBERATE_DIFFERENCES = {
     ),
 }
 
+# Upstream tests that pickle something other than arrays and depend on how
+# they are imported, not on the pickler: left out, with the reason.
+NOT_APPLICABLE = {
+    "ufunc:TestUfunc.test_pickle_name_is_qualname": (
+        "pickles a ufunc by qualname through a class attribute it sets on its own"
+        " module; with numpy 2.x's suite imported by this harness the lookup"
+        " finds another import of that module (no array is involved)"
+    ),
+}
+
 _PICKLING_NAMES = frozenset({"dumps", "dump"})
 
 
@@ -226,7 +236,11 @@ def _load_upstream():
             }
             pickling = _pickling({**module_helpers, **members})
             tests = _test_functions(members)
-            chosen = {n: f for n, f in tests.items() if n in pickling}
+            chosen = {
+                n: f
+                for n, f in tests.items()
+                if n in pickling and f"{short}:{class_name}.{n}" not in NOT_APPLICABLE
+            }
             if not chosen:
                 continue
             namespace = {n: None for n in tests if n not in chosen}  # hidden

@@ -36,6 +36,7 @@ def allocate(nbytes):
     """An int8 tensor over at least `nbytes` of shared memory (use only the
     first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it."""
     with _lock:
+        _expiry.resume()
         segment = _pool_segments.take(nbytes)
         pooled = segment is not None
         if segment is None:
@@ -60,6 +61,7 @@ def attach(name, ticket, generation):
     _session.join()
     me = _C.process_id()
     with _lock:
+        _expiry.resume()
         owner = _live_owner(name)
         if owner is not None:
             # This process holds the segment already: the ticket is spare.
@@ -221,7 +223,10 @@ class _Expiry:
     pool_idle_seconds(), and cached mappings of segments that died. A sender
     that goes quiet so releases within the idle time (plus a quarter of it,
     at most a second) without sending again. The thread runs only while
-    there is something to watch, and never across fork (Note [Fork])."""
+    there is something to watch, and never across fork (Note [Fork]): a
+    fork stops it, and the next send or receive starts it again (a process
+    that forks and then never touches torchshm keeps its pool until exit,
+    within the session's budget)."""
 
     def __init__(self):
         self._thread = None
@@ -245,6 +250,11 @@ class _Expiry:
 
     def needed(self):
         return bool(_pool_segments.segments or _idle_mappings)
+
+    def resume(self):
+        """Restarts the timer after a fork stopped it (call with _lock held)."""
+        if self._thread is None and self.needed():
+            self.ensure()
 
     def _run(self):
         while True:
@@ -293,8 +303,8 @@ def _before_fork():
 def _after_fork_in_parent():
     _for_child.clear()
     _C.after_fork_in_parent()
-    if _expiry.needed():
-        _expiry.ensure()
+    # Not restarted here: Python 3.13 counts threads for its fork warning
+    # after these hooks ran. The next send or receive restarts it.
     _lock.release()
 
 
