@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import warnings
+from typing import Union
 
 DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_POOL_IDLE_SECONDS = 30.0
@@ -148,12 +149,12 @@ check_environment()  # at import: see Note [Environment variables]
 _threshold = env_setting("TORCHSHM_THRESHOLD", DEFAULT_THRESHOLD)
 
 
-def get_threshold():
+def get_threshold() -> int:
     """Arrays with fewer bytes than this are pickled inline, not shared."""
     return _threshold
 
 
-def set_threshold(nbytes):
+def set_threshold(nbytes: Union[int, str]) -> None:
     """Sets the inline/shared crossover in bytes (an int or '128K'-style text)."""
     global _threshold
     value = nbytes if isinstance(nbytes, int) else parse_size(nbytes)

@@ -18,11 +18,14 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 
 import collections.abc
 import warnings
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
 from torchshm import _config, _registry, _segments
 from torchshm._compat import load_native
+
+T = TypeVar("T")
 
 _C = load_native()
 
@@ -31,7 +34,7 @@ _ALIGN = 64
 BATCH_DIM = "batch"
 
 
-def worker_init_fn(worker_id):
+def worker_init_fn(worker_id: int) -> None:
     """DataLoader `worker_init_fn` that registers torchshm's reducers:
     `DataLoader(..., worker_init_fn=torchshm.worker_init_fn)`. To run your own
     function too, pass `torchshm.chain(your_fn)`. See Note [Registration in
@@ -47,7 +50,7 @@ def worker_init_fn(worker_id):
     return None
 
 
-def chain(fn):
+def chain(fn: Callable[..., T]) -> Callable[..., T]:
     """A picklable hook that registers torchshm in the process that calls it,
     then returns `fn(*args)`: for a DataLoader's `worker_init_fn(worker_id)`,
     torchdata's `worker_init_fn(datapipe, worker_info)`, or the map function
@@ -76,7 +79,7 @@ def _register_in_worker():
         _registry.register()
 
 
-def convert(sample):
+def convert(sample: T) -> T:
     """`collate_fn` for `batch_size=None`: the sample as it is.
 
     The DataLoader's default converts NumPy arrays into tensors; this keeps
@@ -86,7 +89,7 @@ def convert(sample):
     return sample
 
 
-def collate(batch):
+def collate(batch: Sequence[Any]) -> Any:
     """`collate_fn` that builds NumPy batches in one shared-memory segment.
 
     Stacks the samples' ndarrays along a new first axis, also inside dicts,

@@ -32,6 +32,7 @@ import socket
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def _new_cell():
     return _free.pop()
 
 
-def dumps(obj):
+def dumps(obj: Any) -> bytes:
     """Bytes that torchshm.loads() turns into an equivalent of `obj`, in any
     process of this user on this node, any number of times, for as long as
     this process keeps `obj` alive (if it can be weakly referenced; else until
@@ -147,7 +148,7 @@ def dumps(obj):
     return pickle.dumps(_HandleData(header, payload), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads(data):
+def loads(data: bytes) -> Any:
     """The object a torchshm.dumps() handle names (see dumps). Raises
     HandleError, naming the exporter, once the handle was released or its
     exporter exited, or where its shared memory cannot be seen."""
@@ -157,7 +158,7 @@ def loads(data):
     return _load(*handle)
 
 
-def release(data):
+def release(data: bytes) -> bool:
     """Ends a handle made by this process: later loads fail, and the memory
     it pinned goes back to the pool once every loader dropped it (objects
     already loaded keep their data). True if this process exported it and it

@@ -18,6 +18,7 @@ import threading
 import warnings
 import weakref
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +129,7 @@ def attach_segment(name, ticket=0, generation=0):
     return _segments.attach(name, ticket, generation)
 
 
-def is_shared(array):
+def is_shared(array: Any) -> bool:
     """Whether the array's memory is torch shared memory (sent without a copy)."""
     owner = _root_of(array)[0] if isinstance(array, np.ndarray) else None
     return isinstance(owner, torch.Tensor) and (

@@ -4,6 +4,7 @@ pickle.dumps to a file stays by value)."""
 import contextlib
 import threading
 from multiprocessing.reduction import ForkingPickler
+from typing import Iterator
 
 import numpy as np
 
@@ -14,7 +15,7 @@ _lock = threading.Lock()
 _previous = None  # the reducers we replaced, restored by unregister()
 
 
-def register():
+def register() -> None:
     """Sends eligible ndarrays through shared memory from now on (idempotent).
 
     Raises ValueError for a bad TORCHSHM_* environment variable here, in the
@@ -33,7 +34,7 @@ def register():
             ForkingPickler.register(t, _reduction.reduce_ndarray)
 
 
-def unregister():
+def unregister() -> None:
     """Restores plain pickling (or whatever reducer was registered before)."""
     global _previous
     with _lock:
@@ -48,12 +49,12 @@ def unregister():
         _previous = None
 
 
-def is_registered():
+def is_registered() -> bool:
     return ForkingPickler._extra_reducers.get(np.ndarray) is _reduction.reduce_ndarray
 
 
 @contextlib.contextmanager
-def disabled():
+def disabled() -> Iterator[None]:
     """Pickles arrays by value inside the block (process-wide, not per thread)."""
     was = is_registered()
     unregister()

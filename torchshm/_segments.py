@@ -131,7 +131,7 @@ def name_of(tensor):
     return None if segment is None else segment.name
 
 
-def trim():
+def trim() -> int:
     """Releases pooled segments and cached mappings that nothing uses now.
 
     Returns the bytes of /dev/shm the pool gave back."""

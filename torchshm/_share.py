@@ -1,11 +1,14 @@
 """torchshm.share(): move an object's arrays into shared memory once."""
 
 from multiprocessing.reduction import ForkingPickler
+from typing import TypeVar
 
 from torchshm import _registry
 
+T = TypeVar("T")
 
-def share(obj):
+
+def share(obj: T) -> T:
     """An equivalent object whose eligible arrays live in shared memory.
 
     Works on an array or any picklable object graph (DataFrame, xarray

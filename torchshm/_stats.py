@@ -3,6 +3,7 @@
 import collections
 import os
 import threading
+from typing import Any, Dict
 
 _lock = threading.Lock()
 _counts = collections.Counter()
@@ -39,7 +40,7 @@ def fallback(reason):
         _fallbacks[reason] += 1
 
 
-def stats():
+def stats() -> Dict[str, Any]:
     """A snapshot of this process's counters, with fallbacks by reason."""
     with _lock:
         result = {name: _counts[name] for name in COUNTERS}
@@ -47,7 +48,7 @@ def stats():
     return result
 
 
-def reset_stats():
+def reset_stats() -> None:
     with _lock:
         _counts.clear()
         _fallbacks.clear()

@@ -19,6 +19,7 @@ anyway makes a copy of its own, with one warning.
 
 import os
 import warnings
+from typing import Any, Callable, Optional
 
 from torchshm import _handles, _share
 
@@ -40,7 +41,12 @@ def node_key():
     return f"{boot}:{st.st_dev:x}"
 
 
-def share_on_node(obj=None, *, build=None, group=None):
+def share_on_node(
+    obj: Any = None,
+    *,
+    build: Optional[Callable[[], Any]] = None,
+    group: Any = None,
+) -> Any:
     """The node-shared equivalent of `obj` (or of `build()`), on every rank.
 
     A collective: every rank of `group` (default: the whole world) must call

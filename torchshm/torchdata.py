@@ -20,20 +20,24 @@ work with torchdata 0.5 to 0.11 (and torch's own datapipes).
   `map_fn=torchshm.chain(your_fn)` registers there, then calls `your_fn`.
 """
 
+from typing import Any, TypeVar
+
 from torchshm import _registry, _share
 from torchshm._dataloader import _register_in_worker
+
+T = TypeVar("T")
 
 __all__ = ["in_workers", "to_shared", "worker_init_fn"]
 
 
-def worker_init_fn(datapipe, worker_info=None):
+def worker_init_fn(datapipe: T, worker_info: Any = None) -> T:
     """torchdata 0.6-0.9 `worker_init_fn(datapipe, worker_info)`: registers
     torchshm's reducers in the worker and returns the datapipe unchanged."""
     _register_in_worker()
     return datapipe
 
 
-def to_shared(item):
+def to_shared(item: T) -> T:
     """Map function: the item with its arrays moved into shared memory.
 
     `datapipe.map(torchshm.torchdata.to_shared)` pays the copy inside the
@@ -51,7 +55,7 @@ def _registered(item):
     return item
 
 
-def in_workers(datapipe):
+def in_workers(datapipe: Any) -> Any:
     """`datapipe` followed by a no-op map whose function lives in torchshm, so
     that every process that unpickles the pipeline imports (and registers)
     torchshm: for reading services without a worker hook, such as torchdata
