@@ -35,7 +35,7 @@ SUBCLASSES = (np.memmap, np.recarray)
 # with its gaps (a[::100] of a large array copies 1% of it, not all of it).
 SPARSE_RATIO = 2
 # Copies smaller than PACK_LIMIT are packed into the message's chunk: one
-# segment for many arrays, instead of a segment, mapping and refcount each.
+# segment for many arrays, instead of a segment, mapping and ticket each.
 # Chunks grow 4x from CHUNK_START to CHUNK_MAX: a message needs few segments
 # (64 MB of small arrays: 4) and reserves at most 4x its last chunk's use.
 PACK_LIMIT = 16 << 20

@@ -4,7 +4,7 @@ Every segment torchshm creates or maps goes through `allocate` and `attach`.
 A sender's segments come from its pool (_pool.py) and are reused once idle; a
 receiver keeps the mappings of segments whose arrays it dropped, so that a
 segment the sender reuses is not faulted in again. See Note [Segment
-lifetime] in csrc/segment.h for the reference-count protocol.
+lifetime] in csrc/segment.h for the holder protocol.
 """
 
 import collections
