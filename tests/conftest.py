@@ -116,6 +116,10 @@ def session_bytes(names=None):
 
 
 def _leak_snapshot():
+    # Reaps children that already exited: multiprocessing keeps each one's
+    # sentinel fd open until something asks (a DataLoader that gave up
+    # joining a slow worker never does). A child still running stays counted.
+    mp.active_children()
     gc.collect()
     torchshm.trim()
     segments = session_segments()
