@@ -14,14 +14,12 @@ of the 4 workers has returned its first (tiny) item:
 
 import time
 
-import numpy as np
-import pandas as pd
 import psutil
-import xarray as xr
 from torch.utils.data import DataLoader
 
 import torchshm
 from benchmarks.report import Result
+from benchmarks.scenarios.era5 import make_era5
 
 NAME = "dataloader_start"
 WORKERS = 4
@@ -42,18 +40,9 @@ class XarrayDataset:
 
 
 def make_dataset(nbytes):
+    """An ERA5-like dataset (scenario 2's) of about nbytes."""
     lat, lon = 512, 1024
-    steps = max(1, nbytes // (lat * lon * 4))
-    data = np.empty((steps, lat, lon), dtype=np.float32)
-    data.fill(273.15)
-    return xr.Dataset(
-        {"t2m": (("time", "latitude", "longitude"), data, {"units": "K"})},
-        coords={
-            "time": pd.date_range("2020-01-01", periods=steps, freq="h"),
-            "latitude": np.linspace(90.0, -90.0, lat),
-            "longitude": np.linspace(0.0, 360.0, lon, endpoint=False),
-        },
-    )
+    return make_era5(max(1, nbytes // (lat * lon * 4)), lat, lon)
 
 
 def start_time(ds):
