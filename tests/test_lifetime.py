@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -556,3 +557,19 @@ def test_one_pool_budget_for_the_whole_session(monkeypatch, child):
     for c in senders:
         c.send("exit")
         assert c.close() == 0
+
+
+def test_a_queue_does_not_keep_the_last_array_it_sent_alive():
+    # Finding the pipe of a Queue's feeder once read the feeder frame's
+    # locals, which before Python 3.13 leaves a snapshot holding the object
+    # just sent (and its memory) until the next message.
+    q = mp.get_context("spawn").Queue()
+    a = np.ones(50_000)
+    alive = weakref.ref(a)
+    q.put(a)
+    assert (q.get(timeout=TIMEOUT) == 1).all()
+    del a
+    gc.collect()
+    assert alive() is None
+    q.close()
+    q.join_thread()

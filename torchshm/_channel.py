@@ -12,15 +12,29 @@ reaper looks for in /proc/*/fd; a socket's two ends have two.
 import os
 import stat
 import sys
+import threading
 from multiprocessing import connection, queues
 
-# code object -> how to find the Connection among that frame's locals.
+
+def _feeder_writer(frame):
+    # Not from the frame's locals: before Python 3.13, reading f_locals
+    # stores a snapshot of them in the frame, and the feeder's frame lives as
+    # long as its queue, so the snapshot would keep the object being sent
+    # (its arrays, their memory) alive until the next message. The feeder
+    # thread's own arguments hold the same send_bytes.
+    args = getattr(threading.current_thread(), "_args", ())
+    send_bytes = args[2] if len(args) > 2 else None
+    return getattr(send_bytes, "__self__", None)
+
+
+# code object -> how to find the Connection that frame writes to. Those two
+# frames end when the send returns, and their f_locals snapshot with them.
 _WRITERS = {
-    connection.Connection.send.__code__: lambda f: f.get("self"),
-    queues.SimpleQueue.put.__code__: lambda f: getattr(f.get("self"), "_writer", None),
-    queues.Queue._feed.__code__: lambda f: getattr(
-        f.get("send_bytes"), "__self__", None
+    connection.Connection.send.__code__: lambda f: f.f_locals.get("self"),
+    queues.SimpleQueue.put.__code__: lambda f: getattr(
+        f.f_locals.get("self"), "_writer", None
     ),
+    queues.Queue._feed.__code__: _feeder_writer,
 }
 # A pickler's reduce runs a few frames below the writer.
 _MAX_DEPTH = 12
@@ -34,7 +48,7 @@ def current():
             return 0
         find = _WRITERS.get(frame.f_code)
         if find is not None:
-            return _pipe_inode(find(frame.f_locals))
+            return _pipe_inode(find(frame))
         frame = frame.f_back
     return 0
 
