@@ -1,8 +1,9 @@
-// Bindings only: the mechanism lives in segment.cpp, identity.cpp and
-// ndarray.cpp.
+// Bindings only: the mechanism lives in segment.cpp, identity.cpp,
+// allocator.cpp and ndarray.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
+#include "allocator.h"
 #include "budget.h"
 #include "errors.h"
 #include "identity.h"
@@ -113,6 +114,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("after_fork_in_parent", &torchshm::after_fork_in_parent);
   m.def("after_fork_in_child", &torchshm::after_fork_in_child);
   m.def("remove_own_lock", &torchshm::remove_own_lock);
+
+  // Note [Born shared] (allocator.h).
+  m.def("set_born_source", &torchshm::set_born_source, py::arg("source"));
+  m.def("make_born_handler", &torchshm::make_born_handler, py::arg("min_bytes"),
+        py::arg("fallback"));
+  m.def("born_fallback", &torchshm::born_fallback, py::arg("handler"));
+  m.def("current_numpy_handler", &torchshm::current_numpy_handler);
+  m.def("swap_numpy_handler", &torchshm::swap_numpy_handler,
+        py::arg("handler"));
+  m.def("born_owner", &torchshm::born_owner, py::arg("address"));
+  m.def("born_blocks", &torchshm::born_blocks);
 
   m.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
   m.def("data_address", &torchshm::data_address, py::arg("array"));

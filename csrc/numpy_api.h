@@ -4,6 +4,8 @@
 #pragma once
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+// NumPy 2 hides the memory-handler API (NEP 49, 1.22) from older targets.
+#define NPY_TARGET_VERSION NPY_1_22_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL torchshm_ARRAY_API
 #ifndef TORCHSHM_IMPORT_ARRAY
 #define NO_IMPORT_ARRAY

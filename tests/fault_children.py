@@ -504,7 +504,53 @@ def idle_senders():
     yield results
 
 
+# ------------------------------------------------- born arrays, /dev/shm full
+
+BORN_ITEMS = 12  # of 8 MiB: 96 MiB, more than the 64 MiB /dev/shm holds
+
+
+def born_receiver(inbox, report):
+    got = [inbox.recv() for _ in range(BORN_ITEMS)]
+    report.send([bool(np.array_equal(a, space_array(i, 8 << 20))) for i, a in got])
+
+
+def born_full():
+    """Arrays made under allocating() until /dev/shm is full: the rest are
+    NumPy's own memory, and every array still arrives intact. Run inside a
+    private 64 MiB tmpfs (tests/test_allocator.py)."""
+    ctx = mp.get_context("fork")
+    before = torchshm.stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torchshm.allocating(min_bytes=1 << 20):
+            arrays = [space_array(i, 8 << 20) for i in range(BORN_ITEMS)]
+    after = torchshm.stats()
+    shared = [torchshm.is_shared(a) for a in arrays]
+    (inbox, outbox), (report_in, report_out) = ctx.Pipe(False), ctx.Pipe(False)
+    receiver = ctx.Process(target=born_receiver, args=(inbox, report_out))
+    receiver.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the private ones cannot be copied in
+        for i, a in enumerate(arrays):
+            outbox.send((i, a))
+    equal = report_in.recv() if report_in.poll(TIMEOUT) else None
+    receiver.join(TIMEOUT)
+    yield {
+        "shared": shared,
+        "equal": equal,
+        "exitcode": receiver.exitcode,
+        "allocations": {
+            key: after[key] - before[key]
+            for key in ("allocations_shared", "allocations_fallback")
+        },
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+        ],
+    }
+
+
 SCENARIOS = {
+    "born_full": born_full,
     "kill": kill_rounds,
     "unread": unread,
     "space": space,

@@ -11,6 +11,7 @@ descendants are found by session id even after they are orphaned.
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,3 +166,29 @@ def leftovers(driver, grace=GRACE, shm=True):
             break
         time.sleep(0.02)
     return (session_segments(driver.session) if shm else []), procs
+
+
+def _unshare_skip_reason():
+    if os.geteuid() != 0:
+        return "mounting a private tmpfs on /dev/shm needs root"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    probe = subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode != 0:
+        return f"unshare -m is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+# The Docker default: 64 MB. unshare makes the mount private to the driver's
+# tree, which also holds its session reaper.
+SMALL_SHM = (
+    "unshare",
+    "-m",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
+    "sh",
+)
+NO_UNSHARE = _unshare_skip_reason()

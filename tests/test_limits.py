@@ -1,9 +1,6 @@
 """Limits (GitHub issue 5): file descriptors, a small /dev/shm, threads."""
 
 import multiprocessing as mp
-import os
-import shutil
-import subprocess
 import threading
 
 import numpy as np
@@ -11,6 +8,7 @@ import pytest
 
 import torchshm
 from tests import fault_children, isolated
+from tests.isolated import NO_UNSHARE, SMALL_SHM
 from tests.conftest import TIMEOUT
 
 
@@ -29,32 +27,6 @@ def test_a_consumer_under_ulimit_n_64_keeps_500_arrays(no_leaks, child):
     assert result["received"] == messages and result["bad"] == 0
     assert result["kept"] == 500 and result["kept_ok"] and result["kept_shared"]
     assert result["open_fds"] < limit
-
-
-def _unshare_skip_reason():
-    if os.geteuid() != 0:
-        return "mounting a private tmpfs on /dev/shm needs root"
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    probe = subprocess.run(
-        ["unshare", "-m", "true"], capture_output=True, text=True, timeout=TIMEOUT
-    )
-    if probe.returncode != 0:
-        return f"unshare -m is not permitted here: {probe.stderr.strip()}"
-    return None
-
-
-# The Docker default: 64 MB. unshare makes the mount private to the driver's
-# tree, which also holds its session reaper.
-SMALL_SHM = (
-    "unshare",
-    "-m",
-    "sh",
-    "-c",
-    'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
-    "sh",
-)
-NO_UNSHARE = _unshare_skip_reason()
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))

@@ -14,6 +14,7 @@ from torchshm._compat import load_native
 _C = load_native()
 
 from torchshm import _config  # noqa: E402
+from torchshm._allocator import allocating, set_allocator  # noqa: E402
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
 from torchshm._dataloader import (  # noqa: E402
     chain,
@@ -36,6 +37,7 @@ from torchshm import torchdata  # noqa: E402
 from torchshm._version import __version__  # noqa: E402, F401
 
 __all__ = [
+    "allocating",
     "chain",
     "collate",
     "convert",
@@ -49,6 +51,7 @@ __all__ = [
     "register",
     "release",
     "reset_stats",
+    "set_allocator",
     "set_threshold",
     "share",
     "stats",

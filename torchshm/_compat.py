@@ -69,3 +69,11 @@ def untyped_storage(tensor):
 def int8_tensor_over(storage):
     """A flat int8 tensor viewing all of an untyped storage."""
     return torch.empty(0, dtype=torch.int8).set_(storage)
+
+
+def numpy_handler_name(array=None):
+    """The name of NumPy's memory handler for `array` (or the current one);
+    NumPy 2 moved numpy.core to numpy._core."""
+    core = getattr(np, "_core", None) or np.core
+    get = core.multiarray.get_handler_name
+    return get() if array is None else get(array)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from torchshm import _config, _registry, _segments
+from torchshm import _allocator, _config, _registry, _segments
 from torchshm._compat import load_native
 
 T = TypeVar("T")
@@ -50,28 +50,35 @@ def worker_init_fn(worker_id: int) -> None:
     return None
 
 
-def chain(fn: Callable[..., T]) -> Callable[..., T]:
+def chain(fn: Callable[..., T], *, allocate: bool = False) -> Callable[..., T]:
     """A picklable hook that registers torchshm in the process that calls it,
     then returns `fn(*args)`: for a DataLoader's `worker_init_fn(worker_id)`,
     torchdata's `worker_init_fn(datapipe, worker_info)`, or the map function
     of a process pool that has no other hook (torchdata.nodes.ParallelMapper,
-    Pool.map)."""
-    return RegisterThenCall(fn, "torchshm.chain")
+    Pool.map). With `allocate=True` it also turns on born-shared allocation
+    in that process first (torchshm.set_allocator(True)): the arrays the
+    worker makes are then sent without a copy."""
+    return RegisterThenCall(fn, "torchshm.chain", allocate)
 
 
 class RegisterThenCall:
-    """A picklable hook that registers torchshm, then calls the user's `fn`
-    with the hook's arguments (a DataLoader's or a torchdata worker's)."""
+    """A picklable hook that registers torchshm (and, if asked, turns on the
+    allocator), then calls the user's `fn` with the hook's arguments."""
 
-    def __init__(self, fn, wrapper):
-        self.fn, self.wrapper = fn, wrapper
+    allocate = False  # hooks pickled before allocate existed
+
+    def __init__(self, fn, wrapper, allocate=False):
+        self.fn, self.wrapper, self.allocate = fn, wrapper, allocate
 
     def __call__(self, *args):
         _register_in_worker()
+        if self.allocate:
+            _allocator.set_allocator(True)
         return self.fn(*args)
 
     def __repr__(self):
-        return f"{self.wrapper}({self.fn!r})"
+        allocate = ", allocate=True" if self.allocate else ""
+        return f"{self.wrapper}({self.fn!r}{allocate})"
 
 
 def _register_in_worker():

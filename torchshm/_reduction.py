@@ -131,7 +131,7 @@ def attach_segment(name, ticket=0, generation=0):
 
 def is_shared(array: Any) -> bool:
     """Whether the array's memory is torch shared memory (sent without a copy)."""
-    owner = _root_of(array)[0] if isinstance(array, np.ndarray) else None
+    owner = _owner_of(array) if isinstance(array, np.ndarray) else None
     return isinstance(owner, torch.Tensor) and (
         _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()
     )
@@ -295,7 +295,7 @@ def _view_args(array, offset, strides=None):
 
 def _reduce_shared_view(array):
     """An array over memory that is already shared: send it without a copy."""
-    owner = _root_of(array)[0]
+    owner = _owner_of(array)
     if not isinstance(owner, torch.Tensor):
         return None
     storage = untyped_storage(owner)
@@ -385,6 +385,15 @@ def _compact_strides(array):
         strides[axis] = step
         step *= array.shape[axis]
     return tuple(strides)
+
+
+def _owner_of(array):
+    """What owns the array's memory: a tensor for shared memory (received,
+    shared, or born in a segment: Note [Born shared] in csrc/allocator.h)."""
+    root, nearest = _root_of(array)
+    if root is None:
+        return _C.born_owner(_C.data_address(nearest))
+    return root
 
 
 def _root_of(array):

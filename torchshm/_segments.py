@@ -35,21 +35,28 @@ _idle_bytes = 0
 def allocate(nbytes):
     """An int8 tensor over at least `nbytes` of shared memory (use only the
     first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it."""
+    return allocate_block(nbytes)[0]
+
+
+def allocate_block(nbytes):
+    """(allocate(nbytes), whether the memory was used before: a fresh
+    segment's bytes are zero, a reused one's are not)."""
     with _lock:
         _expiry.resume()
         segment = _pool_segments.take(nbytes)
-        pooled = segment is not None
-        if segment is None:
+        fresh = segment is None
+        if fresh:
             segment = _create(_pool.size_class(nbytes))
             pooled = _pool_segments.admit(segment)
         else:
+            pooled = True
             _stats.add("segments_reused")
         # Slot 0 is the creator's: the pool's if pooled, else this view's.
         owner = segment.tensor(-1 if pooled else 0, _C.process_id())
         _live[segment.name] = weakref.ref(owner)
         if pooled:
             _expiry.ensure()
-    return owner
+    return owner, not fresh
 
 
 def attach(name, ticket, generation):

@@ -20,6 +20,8 @@ COUNTERS = (
     "segments_reused",  # a pooled segment reused by a sender (no fresh pages)
     "mappings_reused",  # a receiver reused a cached mapping (no page faults)
     "tickets_unavailable",  # every holder slot taken: sent without a ticket
+    "allocations_shared",  # NumPy allocations born in a segment (allocating())
+    "allocations_fallback",  # ...that /dev/shm could not take: NumPy's memory
 )
 
 

@@ -1,0 +1,228 @@
+#include "allocator.h"
+
+#include <cstring>
+#include <unordered_map>
+
+#include "numpy_api.h"
+
+namespace torchshm {
+namespace {
+
+constexpr const char* kCapsule = "mem_handler";  // NumPy's capsule name
+
+struct BornContext {
+  int64_t min_bytes;
+  PyObject* fallback_capsule;  // strong reference: keeps `fallback` alive
+  PyDataMem_Handler* fallback;
+};
+
+struct Block {
+  PyObject* owner;  // the segment's int8 tensor (strong reference)
+  size_t size;      // bytes NumPy asked for
+  size_t capacity;  // bytes usable from the block's address
+};
+
+// Guarded by the GIL (Note [Born shared]).
+std::unordered_map<uintptr_t, Block> blocks;
+PyObject* source = nullptr;
+// Set while the source runs: whatever it allocates is not born.
+thread_local bool in_source = false;
+
+// Holds the GIL, and keeps the caller's pending exception (NumPy may free
+// while one propagates) out of reach of the Python code run meanwhile.
+class PythonGuard {
+ public:
+  PythonGuard() : gil_(PyGILState_Ensure()) {
+    PyErr_Fetch(&type_, &value_, &traceback_);
+  }
+  ~PythonGuard() {
+    PyErr_Restore(type_, value_, traceback_);
+    PyGILState_Release(gil_);
+  }
+
+ private:
+  PyGILState_STATE gil_;
+  PyObject* type_;
+  PyObject* value_;
+  PyObject* traceback_;
+};
+
+// A born block of `size` bytes, or nullptr when the source declines. Call
+// with a PythonGuard held.
+void* take_block(size_t size, bool zeroed) {
+  if (source == nullptr || in_source) return nullptr;
+  in_source = true;
+  PyObject* result =
+      PyObject_CallFunction(source, "n", static_cast<Py_ssize_t>(size));
+  in_source = false;
+  if (result == nullptr) {
+    // The source catches its own failures; reaching here is a bug, and
+    // NumPy's allocation still succeeds through the fallback.
+    PyErr_WriteUnraisable(source);
+    return nullptr;
+  }
+  py::object reply = py::reinterpret_steal<py::object>(result);
+  if (reply.is_none()) return nullptr;
+  auto [owner, reused] = reply.cast<std::pair<py::object, bool>>();
+  at::Tensor tensor = owner.cast<at::Tensor>();
+  TORCH_CHECK(tensor.is_contiguous() && tensor.scalar_type() == at::kChar &&
+                  static_cast<size_t>(tensor.numel()) >= size,
+              "torchshm: the born-memory source returned a tensor that cannot "
+              "hold ",
+              size, " bytes");
+  void* data = tensor.data_ptr();
+  // A fresh segment is zero already (fallocate); a reused one is not.
+  if (zeroed && reused) std::memset(data, 0, size);
+  blocks[reinterpret_cast<uintptr_t>(data)] = {
+      owner.release().ptr(), size, static_cast<size_t>(tensor.numel())};
+  return data;
+}
+
+void* allocate(BornContext* ctx, size_t size, bool zeroed) {
+  if (size > 0 && size >= static_cast<size_t>(ctx->min_bytes)) {
+    PythonGuard guard;
+    try {
+      if (void* data = take_block(size, zeroed)) return data;
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      PyErr_WriteUnraisable(source);
+    }
+  }
+  PyDataMemAllocator& fallback = ctx->fallback->allocator;
+  return zeroed ? fallback.calloc(fallback.ctx, size, 1)
+                : fallback.malloc(fallback.ctx, size);
+}
+
+// Drops a born block's owner; false if `data` is not a born block.
+bool release_block(void* data) {
+  PythonGuard guard;
+  auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
+  if (it == blocks.end()) return false;
+  PyObject* owner = it->second.owner;
+  blocks.erase(it);
+  Py_DECREF(owner);
+  return true;
+}
+
+void* born_malloc(void* ctx, size_t size) {
+  return allocate(static_cast<BornContext*>(ctx), size, false);
+}
+
+void* born_calloc(void* ctx, size_t count, size_t itemsize) {
+  size_t size = 0;
+  if (__builtin_mul_overflow(count, itemsize, &size)) return nullptr;
+  return allocate(static_cast<BornContext*>(ctx), size, true);
+}
+
+void* born_realloc(void* raw_ctx, void* data, size_t size) {
+  auto* ctx = static_cast<BornContext*>(raw_ctx);
+  size_t old_size = 0;
+  {
+    PythonGuard guard;
+    auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
+    if (it != blocks.end()) {
+      if (size <= it->second.capacity) {
+        it->second.size = size;
+        return data;
+      }
+      old_size = it->second.size;
+    }
+  }
+  PyDataMemAllocator& fallback = ctx->fallback->allocator;
+  if (old_size == 0) return fallback.realloc(fallback.ctx, data, size);
+  void* moved = allocate(ctx, size, false);
+  if (moved == nullptr) return nullptr;  // realloc failed: `data` stays valid
+  std::memcpy(moved, data, old_size);
+  release_block(data);
+  return moved;
+}
+
+void born_free(void* ctx, void* data, size_t size) {
+  if (data != nullptr && release_block(data)) return;
+  PyDataMemAllocator& fallback =
+      static_cast<BornContext*>(ctx)->fallback->allocator;
+  fallback.free(fallback.ctx, data, size);
+}
+
+PyDataMem_Handler* handler_of(py::handle capsule) {
+  auto* handler = static_cast<PyDataMem_Handler*>(
+      PyCapsule_GetPointer(capsule.ptr(), kCapsule));
+  if (handler == nullptr) throw py::error_already_set();
+  return handler;
+}
+
+bool is_born(const PyDataMem_Handler* handler) {
+  return handler->allocator.malloc == born_malloc;
+}
+
+// Runs when the capsule's last reference goes: NumPy arrays hold their
+// handler's capsule, so no block of this handler is alive any more.
+void destroy_handler(PyObject* capsule) {
+  auto* handler =
+      static_cast<PyDataMem_Handler*>(PyCapsule_GetPointer(capsule, kCapsule));
+  auto* ctx = static_cast<BornContext*>(handler->allocator.ctx);
+  Py_DECREF(ctx->fallback_capsule);
+  delete ctx;
+  delete handler;
+}
+
+}  // namespace
+
+void set_born_source(py::object callable) {
+  Py_XDECREF(source);
+  source = callable.release().ptr();
+}
+
+py::object make_born_handler(int64_t min_bytes, py::object fallback) {
+  TORCH_CHECK(min_bytes >= 1, "expected min_bytes >= 1, got ", min_bytes);
+  PyDataMem_Handler* fallback_handler = handler_of(fallback);
+  if (is_born(fallback_handler)) {
+    auto* inner = static_cast<BornContext*>(fallback_handler->allocator.ctx);
+    fallback = py::reinterpret_borrow<py::object>(inner->fallback_capsule);
+    fallback_handler = inner->fallback;
+  }
+  auto* ctx =
+      new BornContext{min_bytes, fallback.release().ptr(), fallback_handler};
+  auto* handler = new PyDataMem_Handler{};
+  std::strncpy(handler->name, "torchshm_born", sizeof(handler->name) - 1);
+  handler->version = 1;
+  handler->allocator = {ctx, born_malloc, born_calloc, born_realloc, born_free};
+  PyObject* capsule = PyCapsule_New(handler, kCapsule, destroy_handler);
+  if (capsule == nullptr) {
+    Py_DECREF(ctx->fallback_capsule);
+    delete ctx;
+    delete handler;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+py::object born_fallback(py::handle capsule) {
+  PyDataMem_Handler* handler = handler_of(capsule);
+  if (!is_born(handler)) return py::none();
+  return py::reinterpret_borrow<py::object>(
+      static_cast<BornContext*>(handler->allocator.ctx)->fallback_capsule);
+}
+
+py::object current_numpy_handler() {
+  PyObject* handler = PyDataMem_GetHandler();
+  if (handler == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(handler);
+}
+
+py::object swap_numpy_handler(py::handle handler) {
+  handler_of(handler);  // a mem_handler capsule, or TypeError/ValueError
+  PyObject* previous = PyDataMem_SetHandler(handler.ptr());
+  if (previous == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(previous);
+}
+
+py::object born_owner(int64_t address) {
+  auto it = blocks.find(static_cast<uintptr_t>(address));
+  if (it == blocks.end()) return py::none();
+  return py::reinterpret_borrow<py::object>(it->second.owner);
+}
+
+int64_t born_blocks() { return static_cast<int64_t>(blocks.size()); }
+
+}  // namespace torchshm

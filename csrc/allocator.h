@@ -1,0 +1,53 @@
+// A NumPy memory handler (NEP 49) that places large allocations in torchshm
+// segments, so that arrays are born in shared memory and sent by reference.
+//
+// Note [Born shared]
+// A born handler is a "mem_handler" capsule with a size floor and a fallback
+// handler (the one that was current when it was made). An allocation of at
+// least the floor asks the Python source (torchshm/_allocator.py, which asks
+// the pool) for an int8 segment tensor; the registry below maps the data
+// address to that tensor, and `free` drops it. So the segment's memory
+// outlives the array exactly as long as some receiver holds its slot (Note
+// [Segment lifetime]), and the pool reuses it only after that. Anything
+// smaller, anything the source declines (a full /dev/shm: it returns None)
+// and any allocation made while the source runs goes to the fallback.
+//
+// NumPy calls a handler with the GIL held; every entry point still takes it
+// (PyGILState_Ensure is cheap when held) because the registry and the Python
+// objects in it are guarded by the GIL alone: no mutex that a fork could
+// leave locked in the child.
+//
+// realloc keeps a born block in place while it fits the segment and moves it
+// otherwise; a fallback block stays with the fallback (realloc does not say
+// how many bytes the old block holds, so it cannot be moved).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace torchshm {
+
+// The Python callable that provides born memory: source(nbytes) returns
+// (int8 segment tensor of at least nbytes, reused: bool) or None to decline.
+void set_born_source(py::object source);
+
+// A handler capsule placing allocations of at least `min_bytes` in segments
+// and all others with `fallback`'s handler. A born fallback is unwrapped, so
+// handlers never chain.
+py::object make_born_handler(int64_t min_bytes, py::object fallback);
+
+// The born handler's fallback capsule, or None if `handler` is not born.
+py::object born_fallback(py::handle handler);
+
+// NumPy's handler for the current context (contextvars), and setting it.
+py::object current_numpy_handler();
+py::object swap_numpy_handler(py::handle handler);  // returns the previous
+
+// The segment tensor behind the born block starting at `address`, or None.
+py::object born_owner(int64_t address);
+
+// Born blocks alive in this process.
+int64_t born_blocks();
+
+}  // namespace torchshm

@@ -1,0 +1,52 @@
+"""Child processes of tests/test_allocator.py (importable under spawn)."""
+
+import numpy as np
+
+import torchshm
+from tests.conftest import TIMEOUT
+
+MIN_BYTES = 1 << 16
+
+
+def born_sender(inbox, outbox, n):
+    """Makes an array with the allocator on (as a Pool initializer or a
+    worker hook would turn it on), sends it, then writes to it."""
+    torchshm.set_allocator(True, min_bytes=MIN_BYTES)
+    before = torchshm.stats()
+    a = np.arange(n, dtype=np.float64)
+    outbox.put(a)
+    assert inbox.get(timeout=TIMEOUT) == "write"
+    a[:10] = -1.0  # born memory is shared: the parent sees this
+    outbox.put("written")
+    assert inbox.get(timeout=TIMEOUT) == "stats"
+    after = torchshm.stats()
+    outbox.put({k: after[k] - before[k] for k in after if k != "fallbacks"})
+
+
+def holder(inbox, outbox):
+    """Holds what it receives until told to drop it; reports its contents."""
+    held = inbox.get(timeout=TIMEOUT)
+    outbox.put(float(held.min()))
+    assert inbox.get(timeout=TIMEOUT) == "check"
+    outbox.put((float(held.min()), float(held.max())))
+    assert inbox.get(timeout=TIMEOUT) == "drop"
+    del held
+    outbox.put("dropped")
+
+
+def pool_make(n):
+    """A Pool task: an array made in the worker, and whether it was born."""
+    a = np.full(n, 7, dtype=np.int32)
+    return a, torchshm.is_shared(a)
+
+
+class BornItems:
+    """A map-style dataset whose items say whether the worker made them in
+    shared memory, and how many bytes its sends copied so far."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        a = np.full(200_000, i, dtype=np.float32)
+        return a, torchshm.is_shared(a), torchshm.stats()["bytes_copied"]

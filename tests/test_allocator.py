@@ -1,0 +1,242 @@
+"""Arrays born in shared memory (GitHub issue 13): torchshm.allocating() and
+set_allocator() put NumPy's large allocations in pooled segments, so sending
+them copies nothing, and the pool never reuses memory a receiver holds."""
+
+import asyncio
+import gc
+import multiprocessing as mp
+import threading
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import torchshm
+from tests import allocator_children, isolated
+from tests.allocator_children import MIN_BYTES
+from tests.conftest import TIMEOUT, bounded, stats_delta
+from torchshm import _C, _segments
+from torchshm._compat import numpy_handler_name
+
+N = 100_000  # float64: 800 KB, well above MIN_BYTES
+
+
+def roundtrip(obj):
+    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+
+
+def segment_of(array):
+    """The segment name behind a born array (or the array it views)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    owner = _C.born_owner(_C.data_address(array))
+    return None if owner is None else _segments.name_of(owner)
+
+
+def test_large_allocations_are_born_shared_and_small_ones_are_not():
+    before = torchshm.stats()
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        assert numpy_handler_name() == "torchshm_born"
+        large, small = np.ones(N), np.ones(10)
+        zeros, empty = np.zeros(N), np.empty((300, 300))
+    outside = np.ones(N)
+    assert numpy_handler_name() == "default_allocator"
+    assert [torchshm.is_shared(a) for a in (large, zeros, empty)] == [True] * 3
+    assert not torchshm.is_shared(small) and not torchshm.is_shared(outside)
+    assert stats_delta(before)["allocations_shared"] == 3
+    assert (large == 1).all() and (zeros == 0).all()
+
+
+def test_sending_a_born_array_copies_nothing():
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.arange(N, dtype=np.float64)
+    view = a[10:50_000:3]
+    before = torchshm.stats()
+    got, got_view = roundtrip((a, view))
+    delta = stats_delta(before)
+    assert delta["bytes_copied"] == 0 and delta["arrays_shared"] == 0
+    assert delta["arrays_resent"] == 2
+    assert np.shares_memory(got, a) and np.shares_memory(got_view, got)
+    assert np.array_equal(got_view, a[10:50_000:3])
+
+
+def test_calloc_of_reused_memory_is_zero():
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        dirty = np.full(N, 7.0)
+        name = segment_of(dirty)
+        del dirty
+        before = torchshm.stats()
+        clean = np.zeros(N)
+    assert stats_delta(before)["segments_reused"] == 1
+    assert segment_of(clean) == name and not clean.any()
+
+
+def test_realloc_grows_in_place_or_moves_and_keeps_the_data():
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.arange(N, dtype=np.float64)
+        name = segment_of(a)
+        a.resize(N + 100, refcheck=False)  # fits the segment's size class
+        assert segment_of(a) == name
+        a.resize(4 * N, refcheck=False)  # does not: moved to another segment
+        assert segment_of(a) not in (None, name)
+        assert np.array_equal(a[:N], np.arange(N)) and not a[N:].any()
+        a.resize(10, refcheck=False)
+        assert np.array_equal(a, np.arange(10)) and torchshm.is_shared(a)
+        grown = np.fromiter(range(N), dtype=np.int64)  # grows by realloc
+    assert np.array_equal(grown, np.arange(N))
+    assert np.array_equal(roundtrip(a), np.arange(10))
+
+
+def test_the_handler_is_restored_on_exit_and_on_error():
+    with pytest.raises(KeyError):
+        with torchshm.allocating(min_bytes=MIN_BYTES):
+            with torchshm.allocating(min_bytes=MIN_BYTES):
+                assert torchshm._allocator.allocator_enabled()
+            assert torchshm._allocator.allocator_enabled()
+            raise KeyError
+    assert numpy_handler_name() == "default_allocator"
+    torchshm.set_allocator(True, min_bytes=MIN_BYTES)
+    try:
+        torchshm.set_allocator(True, min_bytes=MIN_BYTES)  # not stacked
+        assert torchshm.is_shared(np.ones(N))
+    finally:
+        torchshm.set_allocator(False)
+    assert numpy_handler_name() == "default_allocator"
+    assert not torchshm.is_shared(np.ones(N))
+
+
+def test_the_allocator_is_local_to_a_thread():
+    seen = {}
+
+    def other():
+        seen["inside_block"] = torchshm.is_shared(np.ones(N))
+        torchshm.set_allocator(True, min_bytes=MIN_BYTES)
+        seen["own"] = torchshm.is_shared(np.ones(N))
+
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        thread = threading.Thread(target=other)
+        thread.start()
+        bounded(thread.join)
+        assert torchshm.is_shared(np.ones(N))
+    assert seen == {"inside_block": False, "own": True}
+    assert not torchshm.is_shared(np.ones(N))
+
+
+def test_the_allocator_is_local_to_an_asyncio_task():
+    async def turned_on():
+        torchshm.set_allocator(True, min_bytes=MIN_BYTES)
+        await asyncio.sleep(0)
+        return torchshm.is_shared(np.ones(N))
+
+    async def left_alone():
+        await asyncio.sleep(0)
+        return torchshm.is_shared(np.ones(N))
+
+    async def main():
+        return await asyncio.gather(turned_on(), left_alone())
+
+    assert asyncio.run(main()) == [True, False]
+    assert numpy_handler_name() == "default_allocator"
+
+
+def test_an_array_freed_after_its_block_goes_back_to_the_pool():
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.ones(N)
+    name, blocks = segment_of(a), _C.born_blocks()
+    del a
+    gc.collect()
+    assert _C.born_blocks() == blocks - 1
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        again = np.ones(N)
+    assert segment_of(again) == name
+
+
+def test_a_born_array_crosses_processes_without_a_copy(ctx, child):
+    c = child(ctx, allocator_children.born_sender, N)
+    got = c.receive()
+    assert np.array_equal(got, np.arange(N)) and torchshm.is_shared(got)
+    c.send("write")
+    assert c.receive() == "written"
+    assert (got[:10] == -1).all(), "a born array is shared, like share_memory_()"
+    c.send("stats")
+    sender = c.receive()
+    assert sender["allocations_shared"] >= 1
+    assert sender["bytes_copied"] == 0 and sender["arrays_resent"] == 1
+    assert c.close() == 0
+
+
+def test_free_with_a_live_receiver_does_not_let_the_pool_reuse(ctx, child):
+    c = child(ctx, allocator_children.holder)
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.full(N, 1.0)
+        held = segment_of(a)
+        c.send(a)
+        assert c.receive() == 1.0
+        del a  # freed here; the child still holds it
+        gc.collect()
+        b = np.full(N, 2.0)
+        assert segment_of(b) != held
+        c.send("check")
+        assert c.receive() == (1.0, 1.0)
+        c.send("drop")
+        assert c.receive() == "dropped"
+        del b
+        gc.collect()
+        before = torchshm.stats()
+        again = [np.empty(N), np.empty(N)]
+        assert held in {segment_of(x) for x in again}
+    delta = stats_delta(before)
+    assert delta["segments_reused"] == 2 and delta["segments_created"] == 0
+    assert c.close() == 0
+
+
+def test_pool_initializer_recipe(ctx):
+    with ctx.Pool(2, initializer=torchshm.set_allocator, initargs=(True,)) as pool:
+        results = pool.map(allocator_children.pool_make, [N] * 4)
+        pool.close()
+        bounded(pool.join)
+    assert all(born for _, born in results)
+    assert all((a == 7).all() and torchshm.is_shared(a) for a, _ in results)
+
+
+def test_dataloader_recipe():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        allocator_children.BornItems(),
+        batch_size=None,
+        num_workers=1,
+        collate_fn=torchshm.convert,
+        worker_init_fn=torchshm.chain(torchshm.worker_init_fn, allocate=True),
+        multiprocessing_context="spawn",
+        timeout=TIMEOUT,
+    )
+    items = list(loader)
+    assert [int(a[0]) for a, _, _ in items] == [0, 1, 2, 3]
+    assert all(born for _, born, _ in items)
+    assert all(copied == 0 for _, _, copied in items)
+    assert all(torchshm.is_shared(a) for a, _, _ in items)
+
+
+@pytest.mark.skipif(isolated.NO_UNSHARE is not None, reason=str(isolated.NO_UNSHARE))
+def test_a_full_dev_shm_falls_back_to_numpy_memory():
+    with isolated.Driver("born_full", wrapper=isolated.SMALL_SHM) as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+    shared = result["shared"]
+    # What fit was born shared; the rest is NumPy's memory, and nothing died.
+    assert shared[0] and not shared[-1]
+    assert result["allocations"] == {
+        "allocations_shared": shared.count(True),
+        "allocations_fallback": shared.count(False),
+    }
+    assert result["exitcode"] == 0 and result["equal"] == [True] * len(shared)
+    (warning,) = result["warnings"]
+    assert "NumPy allocates in its own memory" in warning
+
+
+def test_multiprocessing_context_is_unchanged():
+    # Guard for the tests above: none leaves the allocator on.
+    assert numpy_handler_name() == "default_allocator"
+    assert mp.current_process().name == "MainProcess"

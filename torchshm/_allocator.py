@@ -1,0 +1,104 @@
+"""Arrays born in shared memory: NumPy allocates large arrays in pooled
+segments, so sending them costs no copy at all (Note [Born shared] in
+csrc/allocator.h for the mechanism).
+
+NumPy keeps its memory handler in a context variable, so turning this on is
+local to a thread or an asyncio task (a new thread starts with NumPy's
+default), and an array is always freed by the handler that allocated it,
+whatever is current by then.
+"""
+
+import contextlib
+import errno
+import warnings
+from typing import Iterator, Optional
+
+from torchshm import _config, _segments, _stats
+from torchshm._compat import load_native
+
+_C = load_native()
+
+
+@contextlib.contextmanager
+def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
+    """Within the block, this thread's (or task's) NumPy allocations of at
+    least `min_bytes` (default: the sharing threshold) are born in shared
+    memory: sending such an array passes a reference, no copy.
+
+    A born array is shared like a torch tensor after share_memory_(): what
+    the sender writes to it after sending, receivers that still hold it see.
+    When /dev/shm cannot take an allocation, NumPy's own memory is used
+    (one warning, counted in stats()["allocations_fallback"])."""
+    previous = _C.swap_numpy_handler(_handler(min_bytes))
+    try:
+        yield
+    finally:
+        _C.swap_numpy_handler(previous)
+
+
+def set_allocator(enabled: bool, min_bytes: Optional[int] = None) -> None:
+    """Turns born-shared allocation on or off for the current thread or task
+    from now on, e.g. in a worker's initializer: a DataLoader worker_init_fn,
+    a Pool initializer, a torchdata worker hook (see README)."""
+    current = _C.current_numpy_handler()
+    fallback = _C.born_fallback(current)
+    if enabled:
+        _C.swap_numpy_handler(_handler(min_bytes))
+    elif fallback is not None:
+        _C.swap_numpy_handler(fallback)
+
+
+def allocator_enabled() -> bool:
+    """Whether NumPy allocates in shared memory in this thread or task."""
+    return _C.born_fallback(_C.current_numpy_handler()) is not None
+
+
+def _handler(min_bytes):
+    if min_bytes is None:
+        min_bytes = _config.get_threshold()
+    min_bytes = int(min_bytes)
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be at least 1, got {min_bytes}")
+    return _C.make_born_handler(min_bytes, _C.current_numpy_handler())
+
+
+# errno -> why /dev/shm could not take an allocation (a warning once each).
+_DECLINED = {
+    errno.ENOSPC: "no space in /dev/shm",
+    errno.ENOMEM: "out of memory",
+    errno.EMFILE: "too many open files",
+    errno.ENFILE: "too many open files",
+    errno.EACCES: "/dev/shm not writable",
+    errno.EROFS: "/dev/shm not writable",
+}
+_warned = set()
+
+
+def _source(nbytes):
+    """Called by the handler: (segment tensor, reused) for a block of nbytes,
+    or None to let NumPy allocate it. Never raises: an exception here would
+    surface in whatever NumPy call allocated."""
+    try:
+        block = _segments.allocate_block(nbytes)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        reason = _DECLINED.get(getattr(exc, "errno", None))
+        if reason is None or not isinstance(exc, _C.SharedMemoryError):
+            reason = f"internal error: {type(exc).__name__}"
+            message = f"unexpected {exc!r}. Please report this as a bug"
+        else:
+            message = str(exc)
+        _stats.add("allocations_fallback")
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(
+                f"torchshm: could not allocate {nbytes} bytes in shared memory"
+                f" ({message}); NumPy allocates in its own memory instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+    _stats.add("allocations_shared")
+    return block
+
+
+_C.set_born_source(_source)
