@@ -54,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("create", &Segment::create, py::arg("name"),
                   py::arg("capacity"), py::arg("creator"),
+                  py::arg("threads") = 1,
                   py::call_guard<py::gil_scoped_release>())
       .def_static("attach", &Segment::attach, py::arg("name"),
                   py::call_guard<py::gil_scoped_release>())

@@ -2,10 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <system_error>
-#include <thread>
 
 #include "numpy_api.h"
+#include "parallel.h"
 
 namespace torchshm {
 namespace {
@@ -57,35 +56,10 @@ void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
 }
 
 void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
-  const int64_t useful = std::max<int64_t>(1, n / kMinBytesPerThread);
-  const int64_t workers = std::min<int64_t>(std::max(threads, 1), useful);
-  const int64_t chunk = (n + workers - 1) / workers;
-  // Joins whatever started, on every path: a std::thread destroyed while
-  // joinable calls std::terminate.
-  struct Joiner {
-    std::vector<std::thread> threads;
-    ~Joiner() {
-      for (auto& t : threads) t.join();
-    }
-  } pool;
-  // Chunks no thread took (none could start, e.g. under a pids limit) are
-  // copied here, in the calling thread.
-  int64_t mine_from = n;
-  for (int64_t w = 1; w < workers; ++w) {
-    const int64_t begin = w * chunk;
-    const int64_t len = std::min(chunk, n - begin);
-    if (len <= 0) break;
-    try {
-      pool.threads.emplace_back(
-          [=] { blocked_memcpy(dst + begin, src + begin, len); });
-    } catch (const std::system_error&) {
-      mine_from = begin;
-      break;
-    }
-  }
-  blocked_memcpy(dst, src, std::min(chunk, n));
-  if (mine_from < n)
-    blocked_memcpy(dst + mine_from, src + mine_from, n - mine_from);
+  parallel_chunks(n, threads, kMinBytesPerThread, 1,
+                  [=](int64_t begin, int64_t len) {
+                    blocked_memcpy(dst + begin, src + begin, len);
+                  });
 }
 
 }  // namespace

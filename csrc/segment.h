@@ -109,10 +109,11 @@ constexpr int kSlots = 336;
 class Segment {
  public:
   // Creates and maps a new segment with `capacity` data bytes; slot 0 holds
-  // `creator`. Space is reserved up front so that a full tmpfs fails here
-  // with ENOSPC instead of SIGBUS on first write.
+  // `creator`. Every page is backed up front, by up to `threads` threads, so
+  // that a full tmpfs fails here with ENOSPC instead of SIGBUS on first write.
   static std::shared_ptr<Segment> create(const std::string& name,
-                                         int64_t capacity, uint64_t creator);
+                                         int64_t capacity, uint64_t creator,
+                                         int threads = 1);
   // Maps an existing segment without taking a slot. Refuses a file that is
   // not a regular file of this user with mode 0600, or not a torchshm segment.
   static std::shared_ptr<Segment> attach(const std::string& name);

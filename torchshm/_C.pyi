@@ -18,7 +18,9 @@ class Segment:
     """A named /dev/shm segment whose header names its holders."""
 
     @staticmethod
-    def create(name: str, capacity: int, creator: int) -> "Segment": ...
+    def create(
+        name: str, capacity: int, creator: int, threads: int = 1
+    ) -> "Segment": ...
     @staticmethod
     def attach(name: str) -> "Segment": ...
     @property

@@ -170,7 +170,9 @@ _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def copy_threads():
-    """Threads that split one large copy into shared memory."""
+    """Threads that split one large copy into shared memory, and populating
+    a fresh segment's pages (`python -m benchmarks --only born` reports the
+    latter as "fresh pages")."""
     return _COPY_THREADS
 
 

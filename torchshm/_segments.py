@@ -166,7 +166,7 @@ def disown_all():
 def _create(capacity):
     me = _C.process_id()
     name = f"{_session.segment_prefix()}{me:016x}_{next(_counter)}"
-    segment = _C.Segment.create(name, capacity, me)
+    segment = _C.Segment.create(name, capacity, me, _config.copy_threads())
     _stats.add("segments_created")
     return segment
 
