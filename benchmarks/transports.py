@@ -41,6 +41,7 @@ LABELS = {
     "torchshm_shared": "torchshm pre-shared",
     "torchshm_always": "torchshm, threshold 0",
     "torchshm_collate": "torchshm.collate",
+    "torchshm_born": "torchshm, allocator on",
 }
 PAGE = 4096
 # torchshm's fallbacks (pickled by value instead) in Sender children, by
@@ -58,6 +59,9 @@ def setup_sender(method):
         torchshm.register()
         if method == "torchshm_always":
             torchshm.set_threshold(0)
+        if method == "torchshm_born":
+            # Arrays this process makes are born in shared memory.
+            torchshm.set_allocator(True)
     else:
         # The baselines must not be helped by torchshm's reducers.
         torchshm.unregister()

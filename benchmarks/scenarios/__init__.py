@@ -3,6 +3,7 @@
 
 from benchmarks.scenarios import (
     big_array,
+    born,
     dataframe,
     dataloader,
     dataloader_start,
@@ -25,6 +26,7 @@ SCENARIOS = {
         memory,
         node_memory,
         dataloader_start,
+        born,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
