@@ -50,3 +50,10 @@ class BornItems:
     def __getitem__(self, i):
         a = np.full(200_000, i, dtype=np.float32)
         return a, torchshm.is_shared(a), torchshm.stats()["bytes_copied"]
+
+
+def born_sample(i):
+    """A torchdata map function: an array made in the worker, and whether the
+    worker's allocator put it in shared memory."""
+    a = np.full(200_000, i, dtype=np.float32)
+    return i, a, torchshm.is_shared(a)

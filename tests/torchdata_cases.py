@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import torchshm
+from tests import allocator_children as ac
 from tests import integration_children as ic
 from tests.conftest import run_script
 from tests.test_dataloader import assert_equal
@@ -88,14 +89,18 @@ def check(received):
         assert_equal(got, ic.make_sample("mixed", i))
 
 
-def service(ctx, **kwargs):
-    init = (
+def worker_hook():
+    """torchshm's worker hook for this torchdata's signature."""
+    return (
         torchshm.torchdata.worker_init_fn if NEW_SIGNATURE else torchshm.worker_init_fn
     )
+
+
+def service(ctx, init=None, **kwargs):
     return dataloader2.MultiProcessingReadingService(
         num_workers=2,
         multiprocessing_context=ctx.get_start_method(),
-        worker_init_fn=init,
+        worker_init_fn=init or worker_hook(),
         **kwargs,
     )
 
@@ -108,6 +113,16 @@ def test_reading_service_workers_register(ctx, no_leaks):
 @needs_dataloader2
 def test_reading_service_share_memory_map_moves_items_in_the_worker(ctx, no_leaks):
     check(run(pipeline().map(torchshm.torchdata.to_shared), service(ctx)))
+
+
+@needs_dataloader2
+def test_reading_service_workers_allocate_in_shared_memory(ctx, no_leaks):
+    from torchdata.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(N)).sharding_filter().map(ac.born_sample)
+    got = run(pipe, service(ctx, torchshm.chain(worker_hook(), allocate=True)))
+    assert sorted(i for i, _, _ in got) == list(range(N))
+    assert all(born and (a == i).all() for i, a, born in got)
 
 
 needs_prototype = pytest.mark.skipif(
