@@ -57,3 +57,10 @@ def born_sample(i):
     worker's allocator put it in shared memory."""
     a = np.full(200_000, i, dtype=np.float32)
     return i, a, torchshm.is_shared(a)
+
+
+def write_inherited(inbox, outbox, array):
+    """A forked child writes to a born array it inherited."""
+    array[:5] = 42.0
+    outbox.put("written")
+    assert inbox.get(timeout=TIMEOUT) == "exit"

@@ -34,6 +34,7 @@ LEAK_GRACE = 10
 # test_bad_input: its in-process test holds memmap files until pytest drops
 # the fixture, after any check; its multiprocess tests ask for ctx or child.)
 MULTIPROCESS_MODULES = {
+    "test_allocator",
     "test_dataloader",
     "test_faults",
     "test_handles",

@@ -105,6 +105,16 @@ def test_the_handler_is_restored_on_exit_and_on_error():
     assert not torchshm.is_shared(np.ones(N))
 
 
+def test_min_bytes_must_be_positive_and_threshold_zero_still_works():
+    with pytest.raises(ValueError, match="min_bytes must be at least 1"):
+        with torchshm.allocating(min_bytes=0):
+            pass
+    assert numpy_handler_name() == "default_allocator"
+    torchshm.set_threshold(0)
+    with torchshm.allocating():
+        assert torchshm.is_shared(np.ones(N))
+
+
 def test_the_allocator_is_local_to_a_thread():
     seen = {}
 
@@ -187,6 +197,22 @@ def test_free_with_a_live_receiver_does_not_let_the_pool_reuse(ctx, child):
         assert held in {segment_of(x) for x in again}
     delta = stats_delta(before)
     assert delta["segments_reused"] == 2 and delta["segments_created"] == 0
+    assert c.close() == 0
+
+
+def test_a_forked_child_shares_a_born_array_and_holds_it(child):
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.zeros(N)
+    name = segment_of(a)
+    c = child(mp.get_context("fork"), allocator_children.write_inherited, a)
+    assert c.receive() == "written"
+    assert (a[:5] == 42).all(), "no copy-on-write: parent and child share it"
+    del a
+    gc.collect()
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        b = np.zeros(N)
+    assert segment_of(b) != name, "the pool reused what the child holds"
+    c.send("exit")
     assert c.close() == 0
 
 

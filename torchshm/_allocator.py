@@ -55,7 +55,8 @@ def allocator_enabled() -> bool:
 
 def _handler(min_bytes):
     if min_bytes is None:
-        min_bytes = _config.get_threshold()
+        # Threshold 0 means "share every array", not "allocate empty ones".
+        min_bytes = max(1, _config.get_threshold())
     min_bytes = int(min_bytes)
     if min_bytes < 1:
         raise ValueError(f"min_bytes must be at least 1, got {min_bytes}")
