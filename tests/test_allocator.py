@@ -99,6 +99,10 @@ def test_the_handler_is_restored_on_exit_and_on_error():
     try:
         torchshm.set_allocator(True, min_bytes=MIN_BYTES)  # not stacked
         assert torchshm.is_shared(np.ones(N))
+        # Again without min_bytes (a map function's hook, once per item).
+        for _ in range(3):
+            torchshm.set_allocator(True)
+            assert torchshm.is_shared(np.ones(N))
     finally:
         torchshm.set_allocator(False)
     assert numpy_handler_name() == "default_allocator"
@@ -146,6 +150,24 @@ def test_the_allocator_is_local_to_an_asyncio_task():
         return await asyncio.gather(turned_on(), left_alone())
 
     assert asyncio.run(main()) == [True, False]
+    assert numpy_handler_name() == "default_allocator"
+
+
+def test_an_allocating_datapipe_turns_it_on_in_the_thread_that_iterates():
+    # torchdata 0.6-0.9 workers iterate in a prefetch thread, not the hook's.
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(3)).map(allocator_children.born_sample)
+    hook = torchshm.chain(torchshm.torchdata.worker_init_fn, allocate=True)
+    got = []
+    try:
+        wrapped = hook(pipe, None)  # turns it on here too, as in a worker
+    finally:
+        torchshm.set_allocator(False)
+    thread = threading.Thread(target=lambda: got.extend(wrapped))
+    thread.start()
+    bounded(thread.join)
+    assert [(i, born) for i, _, born in got] == [(0, True), (1, True), (2, True)]
     assert numpy_handler_name() == "default_allocator"
 
 

@@ -125,6 +125,16 @@ def test_reading_service_workers_allocate_in_shared_memory(ctx, no_leaks):
     assert all(born and (a == i).all() for i, a, born in got)
 
 
+@needs_dataloader2
+def test_reading_service_allocating_datapipe(ctx, no_leaks):
+    from torchdata.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(N)).sharding_filter().map(ac.born_sample)
+    got = run(torchshm.torchdata.allocating(pipe), service(ctx))
+    assert sorted(i for i, _, _ in got) == list(range(N))
+    assert all(born and (a == i).all() for i, a, born in got)
+
+
 needs_prototype = pytest.mark.skipif(
     not hasattr(dataloader2, "PrototypeMultiProcessingReadingService"),
     reason="torchdata 0.5's PrototypeMultiProcessingReadingService is gone",
@@ -357,6 +367,13 @@ def test_nodes_parallel_mapper_processes_send_shared_arrays(ctx, no_leaks):
         assert_all_shared(got)
     for i, got in enumerate(received):
         assert_equal(got, large_sample(i))
+
+
+@needs_nodes
+def test_nodes_parallel_mapper_workers_allocate_in_shared_memory(ctx, no_leaks):
+    got = parallel_map(ctx, torchshm.chain(ac.born_sample, allocate=True))
+    assert [i for i, _, _ in got] == list(range(N))
+    assert all(born and (a == i).all() for i, a, born in got)
 
 
 @needs_nodes

@@ -39,11 +39,14 @@ def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
 def set_allocator(enabled: bool, min_bytes: Optional[int] = None) -> None:
     """Turns born-shared allocation on or off for the current thread or task
     from now on, e.g. in a worker's initializer: a DataLoader worker_init_fn,
-    a Pool initializer, a torchdata worker hook (see README)."""
+    a Pool initializer, a torchdata worker hook (see README). Turning it on
+    again without `min_bytes` keeps the current setting (a map function may
+    call this per item)."""
     current = _C.current_numpy_handler()
     fallback = _C.born_fallback(current)
     if enabled:
-        _C.swap_numpy_handler(_handler(min_bytes))
+        if fallback is None or min_bytes is not None:
+            _C.swap_numpy_handler(_handler(min_bytes))
     elif fallback is not None:
         _C.swap_numpy_handler(fallback)
 

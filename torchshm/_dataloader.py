@@ -56,8 +56,9 @@ def chain(fn: Callable[..., T], *, allocate: bool = False) -> Callable[..., T]:
     torchdata's `worker_init_fn(datapipe, worker_info)`, or the map function
     of a process pool that has no other hook (torchdata.nodes.ParallelMapper,
     Pool.map). With `allocate=True` it also turns on born-shared allocation
-    in that process first (torchshm.set_allocator(True)): the arrays the
-    worker makes are then sent without a copy."""
+    in the calling thread first (torchshm.set_allocator(True)), and in the
+    thread that iterates a datapipe `fn` returns (torchdata.allocating): the
+    arrays the worker makes are then sent without a copy."""
     return RegisterThenCall(fn, "torchshm.chain", allocate)
 
 
@@ -72,9 +73,17 @@ class RegisterThenCall:
 
     def __call__(self, *args):
         _register_in_worker()
-        if self.allocate:
-            _allocator.set_allocator(True)
-        return self.fn(*args)
+        if not self.allocate:
+            return self.fn(*args)
+        _allocator.set_allocator(True)
+        result = self.fn(*args)
+        # A torchdata hook returns the datapipe, which a worker may iterate
+        # in another thread (its prefetcher): turn it on there too.
+        from torchshm import torchdata
+
+        if isinstance(result, torchdata.IterDataPipe):
+            result = torchdata.allocating(result)
+        return result
 
     def __repr__(self):
         allocate = ", allocate=True" if self.allocate else ""

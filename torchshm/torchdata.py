@@ -18,16 +18,47 @@ work with torchdata 0.5 to 0.11 (and torch's own datapipes).
 - `torchdata.nodes.ParallelMapper(..., method="process")` (0.10+) has no
   worker hook either, only the map function it pickles into each worker:
   `map_fn=torchshm.chain(your_fn)` registers there, then calls `your_fn`.
+
+Born-shared allocation (torchshm.allocating) is local to a thread, and
+0.6-0.9 workers iterate their datapipe in a prefetch thread, not in the
+thread that ran the hook: `allocating(datapipe)` turns it on in whichever
+thread iterates, and `torchshm.chain(hook, allocate=True)` applies it to the
+datapipe its hook returns. For ParallelMapper, `torchshm.chain(your_fn,
+allocate=True)` turns it on in the thread that maps.
 """
 
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
-from torchshm import _registry, _share
+from torch.utils.data import IterDataPipe
+
+from torchshm import _allocator, _registry, _share
 from torchshm._dataloader import _register_in_worker
 
 T = TypeVar("T")
 
-__all__ = ["in_workers", "to_shared", "worker_init_fn"]
+__all__ = ["allocating", "in_workers", "to_shared", "worker_init_fn"]
+
+
+class _AllocatingIterDataPipe(IterDataPipe):
+    """Its source, iterated with NumPy allocating large arrays in shared
+    memory in the iterating thread (from then on, as set_allocator does)."""
+
+    def __init__(self, source_datapipe, min_bytes=None):
+        self.source_datapipe, self.min_bytes = source_datapipe, min_bytes
+
+    def __iter__(self):
+        _allocator.set_allocator(True, self.min_bytes)
+        yield from self.source_datapipe
+
+    def __len__(self):
+        return len(self.source_datapipe)
+
+
+def allocating(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
+    """An IterDataPipe whose items are made with the allocator on in the
+    thread that iterates it (a worker's prefetch thread included): arrays the
+    pipeline makes there are born shared and sent without a copy."""
+    return _AllocatingIterDataPipe(datapipe, min_bytes)
 
 
 def worker_init_fn(datapipe: T, worker_info: Any = None) -> T:
