@@ -9,12 +9,12 @@ whatever is current by then.
 """
 
 import contextlib
-import errno
 import warnings
 from typing import Iterator, Optional
 
 from torchshm import _config, _segments, _stats
 from torchshm._compat import load_native
+from torchshm._reduction import _FALLBACK_REASONS
 
 _C = load_native()
 
@@ -66,15 +66,6 @@ def _handler(min_bytes):
     return _C.make_born_handler(min_bytes, _C.current_numpy_handler())
 
 
-# errno -> why /dev/shm could not take an allocation (a warning once each).
-_DECLINED = {
-    errno.ENOSPC: "no space in /dev/shm",
-    errno.ENOMEM: "out of memory",
-    errno.EMFILE: "too many open files",
-    errno.ENFILE: "too many open files",
-    errno.EACCES: "/dev/shm not writable",
-    errno.EROFS: "/dev/shm not writable",
-}
 _warned = set()
 
 
@@ -85,7 +76,8 @@ def _source(nbytes):
     try:
         block = _segments.allocate_block(nbytes)
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        reason = _DECLINED.get(getattr(exc, "errno", None))
+        # The reasons a send falls back for; one warning per reason.
+        reason = _FALLBACK_REASONS.get(getattr(exc, "errno", None))
         if reason is None or not isinstance(exc, _C.SharedMemoryError):
             reason = f"internal error: {type(exc).__name__}"
             message = f"unexpected {exc!r}. Please report this as a bug"
