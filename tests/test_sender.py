@@ -158,19 +158,19 @@ def test_a_forked_child_counts_from_zero():
 def test_the_plan_answers_where_memory_lives():
     a = np.arange(100_000.0)
     message = _message.Message()
-    owner, name, args = message.place(a)
+    owner, name, args = message.plan.place(a)
     assert name.startswith("/torchshm_") and args[0] % _sender.ALIGNMENT == 0
     again = _reduction.rebuild_ndarray(owner, *args)
     np.testing.assert_array_equal(again, a)
     # Memory in a segment is named, not copied: a view of it, in a new message.
     view = again[5:]
-    owner2, name2, args2 = _message.Message().place(view)
+    owner2, name2, args2 = _message.Message().plan.place(view)
     assert name2 == name and args2[0] == args[0] + 5 * 8
     # A torch tensor's own memory is handed back to the policy.
     import torch
 
     t = torch.arange(10_000, dtype=torch.float64)
-    tensor, none, offset = _message.Message().place(t.numpy()[3:])
+    tensor, none, offset = _message.Message().plan.place(t.numpy()[3:])
     assert tensor.data_ptr() == t.data_ptr() and none is None and offset == 24
 
 

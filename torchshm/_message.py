@@ -28,31 +28,25 @@ class Message:
     __slots__ = ("plan", "refs", "small_bytes", "_token", "__weakref__")
 
     def __init__(self):
-        self.plan = None  # made on first placement: most messages need none
+        # Plan.place(array, copy=False) -> (owner, segment name, view args)
+        # for an array this message sends through shared memory, copying it
+        # if needed; (torch tensor, None, offset) for memory a torch tensor
+        # owns that torchshm did not make (csrc/plan.h).
+        self.plan = _C.Plan()
         self.small_bytes = 0  # below-threshold bytes pickled inline so far
         self._token = _dead  # weak ref to this message's _MessageToken
-        # segment name -> _SegmentRef, held weakly: a cycle would keep the
-        # message alive past its pickler, and a later message would reuse a
-        # stale snapshot.
-        self.refs = None
-
-    def place(self, array, copy=False):
-        """(owner, segment name, view args) for an array this message sends
-        through shared memory, copying it if needed; (torch tensor, None,
-        offset) for memory a torch tensor owns (see Plan.place)."""
-        plan = self.plan
-        if plan is None:
-            plan = self.plan = _C.Plan()
-        return plan.place(array, copy)
+        # segment name -> weak ref to its _SegmentRef: a strong one would
+        # make a cycle that keeps the message alive past its pickler, and a
+        # later message would reuse a stale snapshot.
+        self.refs = {}
 
     def ref(self, owner, name):
         """This message's reference to segment `name` (owner: a tensor over it)."""
-        refs = self.refs
-        if refs is None:
-            refs = self.refs = weakref.WeakValueDictionary()
-        ref = refs.get(name)
+        weak = self.refs.get(name)
+        ref = None if weak is None else weak()
         if ref is None:
-            ref = refs[name] = _SegmentRef(owner, name, self)
+            ref = _SegmentRef(owner, name, self)
+            self.refs[name] = weakref.ref(ref)
         return ref
 
     def token(self):

@@ -132,7 +132,12 @@ def _reduce_through_shared_memory(array):
     threshold = _config.get_threshold()
     if array.nbytes < threshold:
         return _reduce_small(array, threshold)
-    return _share(array, _message.current())
+    # _share, inlined: this is the path of every fresh array.
+    message = _message.current()
+    owner, name, args = message.plan.place(array, False)
+    if name is None:
+        return _over_torch_storage(array, owner, args, message)
+    return rebuild_ndarray, (message.ref(owner, name), *args)
 
 
 def _reduce_small(array, threshold):
@@ -151,7 +156,7 @@ def _reduce_small(array, threshold):
 def _share(array, message):
     """By reference if the memory is shared already, else a snapshot (the
     native plan decides which, and copies)."""
-    owner, name, args = message.place(array)
+    owner, name, args = message.plan.place(array, False)
     if name is None:
         return _over_torch_storage(array, owner, args, message)
     return rebuild_ndarray, (message.ref(owner, name), *args)
@@ -177,7 +182,7 @@ def _over_torch_storage(array, tensor, offset, message):
             rebuild_storage,
             storage_args,
         ) + _view_args(array, offset)
-    owner, name, args = message.place(array, copy=True)
+    owner, name, args = message.plan.place(array, True)
     return rebuild_ndarray, (message.ref(owner, name), *args)
 
 
