@@ -7,8 +7,17 @@
 2. torchshm's overhead below the threshold: `ForkingPickler` round trips of
    one array with and without torchshm registered (the per-item scenario
    measures the same through processes, where noise hides microseconds).
+3. The sender path of a fresh array at the threshold (256 KiB): calls into
+   `_C` per array (every module function and Segment method counted), and
+   the time the reducer takes above the copy itself.
+4. Below the threshold through a Queue to another process: 20,000 x 1 KiB,
+   one per message, and 1000 x 4 KiB in one message, against plain pickling
+   in the same run (rounds alternate).
 """
 
+import multiprocessing as mp
+import statistics
+import sys
 import time
 import timeit
 from multiprocessing.reduction import ForkingPickler
@@ -53,6 +62,215 @@ def inline_overhead(sizes_kib=(4, 32, 64, 128), number=5000):
         )
 
 
+class _Crossings:
+    """Counts calls from Python into the native module while active: module
+    functions and classes through every torchshm module's `_C` name, and the
+    methods and properties of its classes. Calls from native code (pickle's
+    C implementation calling a native reducer) are not crossings."""
+
+    def __init__(self):
+        self.count = 0
+        self._undo = []
+
+    def __enter__(self):
+        counter = self
+
+        def counted(fn):
+            def call(*args, **kwargs):
+                counter.count += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        class Proxy:
+            def __getattr__(self, name):
+                value = getattr(_C, name)
+                if callable(value) and not isinstance(value, type):
+                    return counted(value)
+                return value
+
+        proxy = Proxy()
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torchshm.") and getattr(module, "_C", None) is _C:
+                self._undo.append((module, "_C", _C))
+                module._C = proxy
+        for cls in [v for v in vars(_C).values() if isinstance(v, type)]:
+            if issubclass(cls, BaseException):
+                continue
+            for name, value in list(vars(cls).items()):
+                if name.startswith("__") and name != "__init__":
+                    continue
+                if isinstance(value, property):
+                    wrapped = property(counted(value.fget))
+                elif isinstance(value, staticmethod):
+                    wrapped = staticmethod(counted(value.__func__))
+                elif callable(value):
+                    wrapped = counted(value)
+                else:
+                    continue
+                self._undo.append((cls, name, value))
+                setattr(cls, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in reversed(self._undo):
+            setattr(owner, name, value)
+
+
+def sender_path(nbytes=256 << 10, number=2000):
+    """_C crossings and time above the copy for a fresh array at the threshold.
+
+    Every message is loaded back (in process) so that its ticket is claimed
+    and its segment goes back to the pool, as a receiver would make it."""
+    from torchshm import _config
+
+    threads = _config.copy_threads()
+    arrays = [np.full(nbytes, i, np.uint8) for i in range(8)]
+    reducer = ForkingPickler._extra_reducers[np.ndarray]
+    for a in arrays:  # warm the pool
+        ForkingPickler.loads(ForkingPickler.dumps(a))
+
+    target = _segments.allocate(nbytes)
+    _C.copy_extent(arrays[0], target, 0, threads)
+    copy = min(
+        timeit.repeat(
+            lambda: _C.copy_extent(arrays[0], target, 0, threads),
+            number=number,
+            repeat=7,
+        )
+    )
+    a = arrays[0]
+    reduce_time = min(timeit.repeat(lambda: reducer(a), number=number, repeat=7))
+    round_trip = min(
+        timeit.repeat(
+            lambda: ForkingPickler.loads(ForkingPickler.dumps(a)),
+            number=number,
+            repeat=7,
+        )
+    )
+    us = 1e6 / number
+    print(
+        f"sender, fresh {nbytes >> 10} KiB array: copy {copy * us:.2f} us,"
+        f" reducer {reduce_time * us:.2f} us"
+        f" (overhead above the copy {(reduce_time - copy) * us:.2f} us);"
+        f" dumps + loads in process {round_trip * us:.2f} us"
+    )
+
+    # Per array in one message of 8 fresh arrays (the message holds a chunk
+    # already for all but the first), against the same 8 copies alone.
+    region = _segments.allocate(len(arrays) * nbytes)
+    step = nbytes
+
+    def copies():
+        for i, x in enumerate(arrays):
+            _C.copy_extent(x, region, i * step, threads)
+
+    def one_message():
+        results = [reducer(x) for x in arrays]
+        del results
+
+    copies()
+    per = len(arrays) * number // 8
+    copies_time = min(timeit.repeat(copies, number=number // 8, repeat=7)) / per
+    message_time = min(timeit.repeat(one_message, number=number // 8, repeat=7)) / per
+    print(
+        f"sender, {len(arrays)} fresh {nbytes >> 10} KiB arrays in one message,"
+        f" per array: copy {copies_time * 1e6:.2f} us, reducer"
+        f" {message_time * 1e6:.2f} us (overhead above the copy"
+        f" {(message_time - copies_time) * 1e6:.2f} us)"
+    )
+
+    counts = {"reducer": 0, "dumps": 0}
+    for a in arrays:
+        with _Crossings() as c:
+            result = reducer(a)
+        counts["reducer"] += c.count
+        del result
+        with _Crossings() as c:
+            data = ForkingPickler.dumps(a)
+        counts["dumps"] += c.count
+        ForkingPickler.loads(data)
+    with _Crossings() as c:
+        data = ForkingPickler.dumps(arrays)
+    in_one = c.count
+    ForkingPickler.loads(data)
+    n = len(arrays)
+    print(
+        f"_C crossings, fresh {nbytes >> 10} KiB array:"
+        f" reducer {counts['reducer'] / n:.1f},"
+        f" one-array message (ticket, chunk allocation included)"
+        f" {counts['dumps'] / n:.1f}, per array in one message of {n}"
+        f" {in_one / n:.2f}"
+    )
+
+
+def _drain(queue, done):
+    import torchshm  # noqa: F401 - the receiver as a user's would be
+
+    while True:
+        count = queue.get()
+        if count is None:
+            return
+        for _ in range(count):
+            queue.get()
+        done.put(True)
+
+
+def below_threshold(rounds=7):
+    """Ratios torchshm / plain pickling through a Queue, in one run."""
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_drain, args=(queue, done), daemon=True)
+    child.start()
+    try:
+        cases = {
+            "20000 x 1 KiB, one per message": (
+                [np.full(1024, i % 256, np.uint8) for i in range(20_000)],
+                False,
+            ),
+            "1000 x 4 KiB in one message": (
+                [np.full(4096, i % 256, np.uint8) for i in range(1000)],
+                True,
+            ),
+        }
+        for label, (items, one_message) in cases.items():
+            times = {"torchshm": [], "plain": []}
+
+            def run():
+                start = time.perf_counter()
+                if one_message:
+                    queue.put(1)
+                    queue.put(items)
+                else:
+                    queue.put(len(items))
+                    for item in items:
+                        queue.put(item)
+                done.get(timeout=600)
+                return time.perf_counter() - start
+
+            for r in range(rounds + 1):
+                order = ("torchshm", "plain") if r % 2 else ("plain", "torchshm")
+                for method in order:
+                    if method == "plain":
+                        with torchshm.disabled():
+                            t = run()
+                    else:
+                        t = run()
+                    if r:  # round 0 warms up
+                        times[method].append(t)
+            mine = statistics.median(times["torchshm"])
+            plain = statistics.median(times["plain"])
+            print(
+                f"{label}: torchshm {mine * 1e3:.1f} ms, plain {plain * 1e3:.1f} ms,"
+                f" ratio {mine / plain:.3f} (median of {rounds})"
+            )
+    finally:
+        queue.put(None)
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
 def _timed(fn):
     start = time.perf_counter()
     fn()
@@ -60,5 +278,12 @@ def _timed(fn):
 
 
 if __name__ == "__main__":
-    copy_speed()
-    inline_overhead()
+    only = sys.argv[1:]
+    if not only or "copy" in only:
+        copy_speed()
+    if not only or "inline" in only:
+        inline_overhead()
+    if not only or "sender" in only:
+        sender_path()
+    if not only or "below" in only:
+        below_threshold()

@@ -223,6 +223,12 @@ py::object born_owner(int64_t address) {
   return py::reinterpret_borrow<py::object>(it->second.owner);
 }
 
+at::Tensor born_tensor(const void* data) {
+  auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
+  if (it == blocks.end()) return at::Tensor();
+  return py::handle(it->second.owner).cast<at::Tensor>();
+}
+
 int64_t born_blocks() { return static_cast<int64_t>(blocks.size()); }
 
 }  // namespace torchshm

@@ -46,6 +46,8 @@ py::object swap_numpy_handler(py::handle handler);  // returns the previous
 
 // The segment tensor behind the born block starting at `address`, or None.
 py::object born_owner(int64_t address);
+// The same for the sender's plan: undefined when `data` is not a born block.
+at::Tensor born_tensor(const void* data);
 
 // Born blocks alive in this process.
 int64_t born_blocks();

@@ -1,5 +1,5 @@
 // Bindings only: the mechanism lives in segment.cpp, identity.cpp,
-// allocator.cpp and ndarray.cpp.
+// allocator.cpp, ndarray.cpp, plan.cpp and stats.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
@@ -9,7 +9,9 @@
 #include "identity.h"
 #include "ndarray.h"
 #include "numpy_api.h"
+#include "plan.h"
 #include "segment.h"
+#include "stats.h"
 
 namespace {
 
@@ -131,6 +133,74 @@ PYBIND11_MODULE(_C, m) {
   m.def("data_address", &torchshm::data_address, py::arg("array"));
   m.def("copy_extent", &torchshm::copy_extent, py::arg("array"),
         py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
+  m.def(
+      "receive_ndarray",
+      [](const at::Tensor& owner, int64_t offset, py::handle dtype,
+         const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+         bool writeable) {
+        py::object array = torchshm::wrap_ndarray(owner, offset, dtype, shape,
+                                                  strides, writeable);
+        torchshm::count(torchshm::kArraysReceived);
+        return array;
+      },
+      py::arg("owner"), py::arg("offset"), py::arg("dtype"), py::arg("shape"),
+      py::arg("strides"), py::arg("writeable"),
+      "wrap_ndarray for a received array: counted as arrays_received.");
+
+  // The sender (plan.h, Note [Sender plan]).
+  py::class_<torchshm::Plan>(m, "Plan")
+      .def(py::init<>())
+      .def("place", &torchshm::Plan::place, py::arg("array"),
+           py::arg("copy") = false);
+  m.def(
+      "configure_sender",
+      [](py::object policy_reducer, py::object allocate, int64_t inline_below,
+         int64_t sparse_ratio, int64_t pack_limit, int64_t chunk_start,
+         int64_t chunk_max, int64_t alignment, int copy_threads) {
+        TORCH_CHECK(sparse_ratio >= 1 && pack_limit >= 0 && chunk_start > 0 &&
+                        chunk_max >= chunk_start && alignment > 0 &&
+                        copy_threads >= 1,
+                    "invalid sender policy");
+        torchshm::SenderPolicy p;
+        p.inline_below = inline_below;
+        p.sparse_ratio = sparse_ratio;
+        p.pack_limit = pack_limit;
+        p.chunk_start = chunk_start;
+        p.chunk_max = chunk_max;
+        p.alignment = alignment;
+        p.copy_threads = copy_threads;
+        torchshm::configure_sender(std::move(policy_reducer),
+                                   std::move(allocate), p);
+      },
+      py::arg("policy_reducer"), py::arg("allocate"), py::arg("inline_below"),
+      py::arg("sparse_ratio"), py::arg("pack_limit"), py::arg("chunk_start"),
+      py::arg("chunk_max"), py::arg("alignment"), py::arg("copy_threads"));
+  m.attr("reduce_ndarray") = torchshm::fast_reducer();
+  m.def("ticket_for", &torchshm::ticket_for, py::arg("tensor"),
+        py::arg("channel") = 0);
+
+  std::vector<std::string> names(
+      torchshm::kCounterNames,
+      torchshm::kCounterNames + torchshm::kCounterCount);
+  m.attr("COUNTER_NAMES") = py::tuple(py::cast(names));
+  m.def(
+      "count",
+      [](int index, int64_t n) {
+        TORCH_CHECK(index >= 0 && index < torchshm::kCounterCount,
+                    "expected a counter index below ",
+                    int(torchshm::kCounterCount), ", got ", index);
+        torchshm::count(static_cast<torchshm::Counter>(index), n);
+      },
+      py::arg("index"), py::arg("n") = 1);
+  m.def("counters", [] {
+    std::vector<int64_t> out;
+    for (auto& c : torchshm::counters) out.push_back(c.load());
+    return out;
+  });
+  m.def("reset_counters", [] {
+    for (auto& c : torchshm::counters) c.store(0);
+  });
+
   m.def("wrap_ndarray", &torchshm::wrap_ndarray, py::arg("owner"),
         py::arg("offset"), py::arg("dtype"), py::arg("shape"),
         py::arg("strides"), py::arg("writeable"));

@@ -64,6 +64,10 @@ void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
 
 }  // namespace
 
+void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
+  parallel_memcpy(dst, src, n, threads);
+}
+
 std::pair<int64_t, int64_t> byte_extent(py::handle array) {
   PyArrayObject* arr = as_ndarray(array);
   const int nd = PyArray_NDIM(arr);

@@ -22,6 +22,9 @@ int64_t data_address(py::handle array);
 void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
                  int threads);
 
+// Copies n bytes, split over `threads` when large. Call without the GIL.
+void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads);
+
 // An ndarray over `owner` (a contiguous int8 tensor) whose first element is at
 // byte `offset`; the array's base is `owner`, which keeps the memory alive.
 // Every element the view can reach must lie inside `owner`.

@@ -102,7 +102,7 @@ def _content(a):
 def is_sparse(a):
     """A view the reducer compacts instead of copying with its gaps."""
     from torchshm import _C
-    from torchshm._reduction import SPARSE_RATIO
+    from torchshm._sender import SPARSE_RATIO
 
     lo, hi = _C.byte_extent(a)
     return hi - lo > SPARSE_RATIO * a.nbytes

@@ -55,13 +55,13 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
 
         ForkingPickler.register(np.ndarray, foreign)
         import torchshm
-        from torchshm import _reduction
+        from torchshm import _sender
 
         table = ForkingPickler._extra_reducers
-        out = {"took_over": table[np.ndarray] is _reduction.reduce_ndarray}
+        out = {"took_over": table[np.ndarray] is _sender.REDUCER}
         with torchshm.disabled():
             out["foreign_inside_disabled"] = table[np.ndarray] is foreign
-        out["back_after_disabled"] = table[np.ndarray] is _reduction.reduce_ndarray
+        out["back_after_disabled"] = table[np.ndarray] is _sender.REDUCER
         torchshm.unregister()
         out["foreign_back"] = table[np.ndarray] is foreign
         out["registered"] = torchshm.is_registered()
@@ -72,7 +72,7 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
             0.0, 1.0, 2.0, 3.0, 4.0
         ]
         torchshm.register()
-        out["again"] = table[np.ndarray] is _reduction.reduce_ndarray
+        out["again"] = table[np.ndarray] is _sender.REDUCER
         torchshm.unregister()
         out["foreign_again"] = table[np.ndarray] is foreign
         print(json.dumps(out))

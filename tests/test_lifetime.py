@@ -34,7 +34,7 @@ def dumps(obj):
 
 
 def segment(array):
-    return _C.segment_of(torchshm._reduction._root_of(array)[0])
+    return _C.segment_of(torchshm._sender._root_of(array)[0])
 
 
 def segment_named_in(data):
@@ -452,7 +452,7 @@ def test_crafted_views_fail_cleanly(offset, shape, strides):
 def test_the_file_system_branch_stays_inside_the_guard(monkeypatch):
     import torch.multiprocessing as tmp
 
-    from torchshm import _reduction
+    from torchshm import _sender
 
     old = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
@@ -464,9 +464,9 @@ def test_the_file_system_branch_stays_inside_the_guard(monkeypatch):
             raise RuntimeError("torch's reducer failed")
 
         monkeypatch.setitem(
-            ForkingPickler._extra_reducers, type(_reduction.untyped_storage(t)), broken
+            ForkingPickler._extra_reducers, type(_sender.untyped_storage(t)), broken
         )
-        monkeypatch.setattr(_reduction, "_warned", set())
+        monkeypatch.setattr(_sender, "_warned", set())
         with pytest.warns(RuntimeWarning, match="pickling it by value"):
             again = pickle.loads(dumps(view))
         np.testing.assert_array_equal(again, view)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import torchshm
-from torchshm import _reduction
+from torchshm import _sender
 from tests import cases
 from tests.conftest import stats_delta
 
@@ -219,7 +219,7 @@ def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
         raise torchshm._C.SharedMemoryError(errno.ENOSPC, "words that say nothing")
 
     monkeypatch.setattr(_segments, "allocate", no_space)
-    monkeypatch.setattr(_reduction, "_warned", set())
+    monkeypatch.setattr(_sender, "_warned", set())
     a = np.arange(100_000)
     before = torchshm.stats()
     with pytest.warns(RuntimeWarning, match="pickling it by value"):
@@ -236,7 +236,7 @@ def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
         raise RuntimeError("No space left on device")  # text must not matter
 
     monkeypatch.setattr(_segments, "allocate", broken)
-    monkeypatch.setattr(_reduction, "_warned", set())
+    monkeypatch.setattr(_sender, "_warned", set())
     a = np.arange(100_000)
     before = torchshm.stats()
     with pytest.warns(RuntimeWarning, match="report this as a bug"):

@@ -1,6 +1,6 @@
 """Typed surface of torchshm's native module (csrc/module.cpp)."""
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -10,6 +10,7 @@ built_with_numpy: str
 HEADER_BYTES: int
 SLOTS: int
 TICKET_BIT: int
+COUNTER_NAMES: Tuple[str, ...]
 
 class SharedMemoryError(OSError):
     """A shared-memory operation failed; .errno says why."""
@@ -76,6 +77,37 @@ def wrap_ndarray(
     strides: Sequence[int],
     writeable: bool,
 ) -> np.ndarray: ...
+def receive_ndarray(
+    owner: torch.Tensor,
+    offset: int,
+    dtype: object,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    writeable: bool,
+) -> np.ndarray: ...
+
+class Plan:
+    """One message's sender state (csrc/plan.h, Note [Sender plan])."""
+
+    def __init__(self) -> None: ...
+    def place(self, array: np.ndarray, copy: bool = False) -> Tuple[Any, Any, Any]: ...
+
+def configure_sender(
+    policy_reducer: Callable[[np.ndarray], Any],
+    allocate: Callable[[int], torch.Tensor],
+    inline_below: int,
+    sparse_ratio: int,
+    pack_limit: int,
+    chunk_start: int,
+    chunk_max: int,
+    alignment: int,
+    copy_threads: int,
+) -> None: ...
+def reduce_ndarray(array: np.ndarray) -> Tuple[Any, ...]: ...
+def ticket_for(tensor: torch.Tensor, channel: int = 0) -> Optional[Tuple[int, int]]: ...
+def count(index: int, n: int = 1) -> None: ...
+def counters() -> List[int]: ...
+def reset_counters() -> None: ...
 
 # Note [Born shared] (csrc/allocator.h): NumPy memory handlers are capsules.
 def set_born_source(source: object) -> None: ...

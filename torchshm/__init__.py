@@ -23,7 +23,7 @@ from torchshm._dataloader import (  # noqa: E402
     worker_init_fn,
 )
 from torchshm._handles import HandleError, dumps, loads, release  # noqa: E402
-from torchshm._reduction import is_shared  # noqa: E402
+from torchshm._sender import is_shared  # noqa: E402
 from torchshm._registry import (  # noqa: E402
     disabled,
     is_registered,

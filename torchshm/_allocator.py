@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 
 from torchshm import _config, _segments, _stats
 from torchshm._compat import load_native
-from torchshm._reduction import _FALLBACK_REASONS
+from torchshm._sender import _FALLBACK_REASONS
 
 _C = load_native()
 

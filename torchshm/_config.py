@@ -8,7 +8,7 @@ a pipe. `python -m benchmarks --only per_item` measures both, round-robin. On
 the 2-core reference machine four runs put the crossover at 256 KiB: sharing
 every array cost 1.09-1.69x pipe + pickle at 128 KiB and 0.75-0.98x at
 256 KiB. So arrays from 256 KiB up are shared; below, messages with
-many arrays are still packed (see PACK_MIN in _reduction.py).
+many arrays are still packed (see PACK_MIN in _sender.py).
 """
 
 import functools
@@ -147,6 +147,14 @@ def registration_disabled():
 
 check_environment()  # at import: see Note [Environment variables]
 _threshold = env_setting("TORCHSHM_THRESHOLD", DEFAULT_THRESHOLD)
+# Called with the new value whenever it changes: the native sender keeps a
+# copy for its fast path (_sender.configure), so this stays the one place
+# that decides the threshold.
+_threshold_watchers = []
+
+
+def on_threshold_change(fn):
+    _threshold_watchers.append(fn)
 
 
 def get_threshold() -> int:
@@ -161,6 +169,8 @@ def set_threshold(nbytes: Union[int, str]) -> None:
     if isinstance(value, bool) or value < 0:
         raise ValueError(f"expected a non-negative number of bytes, got {nbytes!r}")
     _threshold = value
+    for fn in _threshold_watchers:
+        fn(value)
 
 
 # `python -m benchmarks.micro` on the 2-core reference VM, 400 MB into mapped

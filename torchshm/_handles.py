@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from torchshm import _reduction, _registry, _segments, _session
+from torchshm import _reduction, _registry, _segments, _sender, _session
 from torchshm._compat import load_native
 
 _C = load_native()
@@ -88,15 +88,16 @@ class _HandlePickler(ForkingPickler):
     def __init__(self, file):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         for t in _registry.TYPES:
-            self.dispatch_table[t] = _reduction.reduce_ndarray
+            self.dispatch_table[t] = _sender.REDUCER
         self.pins = {}  # segment name -> the tensor over it that we hold
 
     def reducer_override(self, obj):
-        if type(obj) is _reduction._SegmentRef:
-            segment = _C.segment_of(obj.owner)
-            self.pins.setdefault(segment.name, obj.owner)
-            return _reduction.attach_segment, (obj.name, 0, segment.generation)
-        return NotImplemented
+        found = _reduction.reference_without_ticket(obj)
+        if found is None:
+            return NotImplemented
+        owner, reduced = found
+        self.pins.setdefault(obj.name, owner)
+        return reduced
 
 
 def _new_cell():

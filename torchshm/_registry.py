@@ -8,9 +8,9 @@ from typing import Iterator
 
 import numpy as np
 
-from torchshm import _config, _reduction, _session
+from torchshm import _config, _sender, _session
 
-TYPES = (np.ndarray,) + _reduction.SUBCLASSES
+TYPES = (np.ndarray,) + _sender.SUBCLASSES
 _lock = threading.Lock()
 _previous = None  # the reducers we replaced, restored by unregister()
 
@@ -31,7 +31,7 @@ def register() -> None:
         table = ForkingPickler._extra_reducers
         _previous = {t: table.get(t) for t in TYPES}
         for t in TYPES:
-            ForkingPickler.register(t, _reduction.reduce_ndarray)
+            ForkingPickler.register(t, _sender.REDUCER)
 
 
 def unregister() -> None:
@@ -50,7 +50,7 @@ def unregister() -> None:
 
 
 def is_registered() -> bool:
-    return ForkingPickler._extra_reducers.get(np.ndarray) is _reduction.reduce_ndarray
+    return ForkingPickler._extra_reducers.get(np.ndarray) is _sender.REDUCER
 
 
 @contextlib.contextmanager

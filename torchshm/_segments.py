@@ -118,20 +118,6 @@ def _live_owner(name):
     return ref() if ref is not None else None
 
 
-def ticket_for(tensor, channel=0):
-    """(ticket, generation) for one message naming the segment behind
-    `tensor`, written to pipe `channel` (an inode, 0 if unknown); ticket 0
-    when every slot is taken (the receiver then holds the segment only while
-    its generation is unchanged), None if it is gone."""
-    segment = _C.segment_of(tensor)
-    if segment.unlinked:
-        return None
-    ticket = segment.issue_ticket(channel)
-    if ticket == 0:
-        _stats.add("tickets_unavailable")
-    return ticket, segment.generation
-
-
 def name_of(tensor):
     """The segment behind a tensor, or None if it is not torchshm memory."""
     segment = _C.segment_of(tensor)

@@ -1,13 +1,17 @@
-"""Counters a user can read with torchshm.stats()."""
+"""Counters a user can read with torchshm.stats().
+
+The counts are atomics in the native module (csrc/stats.h), so the sender
+and receiver paths count without a lock or a call into Python; fallbacks,
+keyed by a reason's text and rare, are counted here."""
 
 import collections
 import os
 import threading
 from typing import Any, Dict
 
-_lock = threading.Lock()
-_counts = collections.Counter()
-_fallbacks = collections.Counter()
+from torchshm._compat import load_native
+
+_C = load_native()
 
 COUNTERS = (
     "arrays_shared",  # copied into a fresh segment
@@ -23,18 +27,19 @@ COUNTERS = (
     "allocations_shared",  # NumPy allocations born in a segment (allocating())
     "allocations_fallback",  # ...that /dev/shm could not take: NumPy's memory
 )
+if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
+    raise ImportError(
+        f"torchshm: native counters {_C.COUNTER_NAMES} do not match {COUNTERS};"
+        " rebuild torchshm"
+    )
+_INDEX = {name: i for i, name in enumerate(COUNTERS)}
+
+_lock = threading.Lock()
+_fallbacks = collections.Counter()
 
 
 def add(name, n=1):
-    with _lock:
-        _counts[name] += n
-
-
-def add_shared(nbytes):
-    """One array copied into shared memory (one lock, on the hot path)."""
-    with _lock:
-        _counts["arrays_shared"] += 1
-        _counts["bytes_copied"] += nbytes
+    _C.count(_INDEX[name], n)
 
 
 def fallback(reason):
@@ -44,15 +49,15 @@ def fallback(reason):
 
 def stats() -> Dict[str, Any]:
     """A snapshot of this process's counters, with fallbacks by reason."""
+    result = dict(zip(COUNTERS, _C.counters()))
     with _lock:
-        result = {name: _counts[name] for name in COUNTERS}
         result["fallbacks"] = dict(_fallbacks)
     return result
 
 
 def reset_stats() -> None:
+    _C.reset_counters()
     with _lock:
-        _counts.clear()
         _fallbacks.clear()
 
 
@@ -61,7 +66,7 @@ def _after_fork_in_child():
     # with a fresh lock, which another thread may have held at fork time).
     global _lock
     _lock = threading.Lock()
-    _counts.clear()
+    _C.reset_counters()
     _fallbacks.clear()
 
 

@@ -1,0 +1,201 @@
+"""The native sender (csrc/plan.cpp): its fast reducer below the threshold,
+the per-message plan, and counters as native atomics."""
+
+import multiprocessing as mp
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import torchshm
+from tests.conftest import TIMEOUT, stats_delta
+from torchshm import _C, _message, _reduction, _sender
+
+SMALL = [
+    np.arange(10),
+    np.arange(12.0).reshape(3, 4)[:, ::2],  # not contiguous
+    np.arange(24, dtype=">i4").reshape(2, 3, 4).transpose(2, 0, 1),
+    np.zeros(3, dtype=[("a", "<i2"), ("b", "<f8")]),
+    np.array(["ab", "cde"]),
+    np.arange(6).reshape(2, 3).T,
+    np.float32(1.5) * np.ones(()),  # 0-d
+]
+
+
+@pytest.fixture(autouse=True)
+def default_threshold():
+    """The suite runs with threshold 1 (tests/conftest.py); these tests are
+    about the default's fast path (conftest restores the threshold)."""
+    torchshm.set_threshold(torchshm._config.DEFAULT_THRESHOLD)
+
+
+def through_pipe(obj):
+    a, b = mp.Pipe()
+    try:
+        a.send(obj)
+        assert b.poll(TIMEOUT)
+        return b.recv()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("array", SMALL, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_fast_reducer_writes_the_bytes_numpy_writes(array):
+    """Below the threshold the native reducer is numpy's own reduce: the
+    pickled bytes are exactly those of plain pickling."""
+    assert array.nbytes < torchshm.get_threshold()
+    mine = ForkingPickler.dumps(array)
+    with torchshm.disabled():
+        plain = ForkingPickler.dumps(array)
+    assert mine == plain
+    assert _C.reduce_ndarray(array) == array.__reduce__()
+
+
+def test_fast_reducer_counts_inline_arrays():
+    arrays = [np.full(100, i) for i in range(50)]
+    before = torchshm.stats()
+    ForkingPickler.dumps(arrays)
+    delta = stats_delta(before)
+    assert delta["arrays_inline"] == 50 and delta["arrays_shared"] == 0
+
+
+def test_threshold_changes_reach_the_fast_path():
+    a = np.arange(512, dtype=np.uint8)
+    torchshm.set_threshold(0)
+    assert torchshm.is_shared(pickle.loads(ForkingPickler.dumps(a)))
+    torchshm.set_threshold("1K")
+    data = ForkingPickler.dumps(a)
+    assert not torchshm.is_shared(pickle.loads(data))
+    with torchshm.disabled():
+        assert data == ForkingPickler.dumps(a)
+    b = np.arange(2048, dtype=np.uint8)
+    assert torchshm.is_shared(pickle.loads(ForkingPickler.dumps(b)))
+
+
+def test_packing_still_starts_after_a_threshold_of_small_arrays():
+    """PACK_MIN..threshold arrays go to the Python policy (_reduce_small):
+    inline for a threshold's worth, then packed into the message's chunk."""
+    torchshm.set_threshold(4 * _sender.PACK_MIN)
+    arrays = [np.full(_sender.PACK_MIN, i, np.uint8) for i in range(10)]
+    before = torchshm.stats()
+    received = pickle.loads(ForkingPickler.dumps(arrays))
+    delta = stats_delta(before)
+    assert delta["arrays_inline"] == 4 and delta["arrays_shared"] == 6
+    assert [torchshm.is_shared(r) for r in received] == [False] * 4 + [True] * 6
+    for r, a in zip(received, arrays):
+        np.testing.assert_array_equal(r, a)
+
+
+def test_views_of_one_buffer_share_one_copy_through_a_pipe():
+    base = np.arange(200_000, dtype=np.float64)
+    views = [base[1000:], base[:150_000], base[::-1], base[5:50_000].reshape(-1, 5)]
+    before = torchshm.stats()
+    received = through_pipe(views)
+    delta = stats_delta(before)
+    assert delta["arrays_shared"] == 1 and delta["arrays_resent"] == 3
+    assert delta["bytes_copied"] == base.nbytes
+    for r, v in zip(received, views):
+        np.testing.assert_array_equal(r, v)
+    for r in received[1:]:
+        assert np.shares_memory(received[0], r)
+    received[1][1000] = -1.0  # written through one view, read through another
+    assert received[0][0] == -1.0 and received[2][-1001] == -1.0
+
+
+def test_the_next_message_copies_again():
+    a = np.arange(100_000.0)
+    first, second = through_pipe(a), through_pipe(a)
+    assert not np.shares_memory(first, second)
+
+
+def test_counters_count_sends_resends_and_receives():
+    a = np.arange(100_000, dtype=np.int64)
+    before = torchshm.stats()
+    r = pickle.loads(ForkingPickler.dumps(a))
+    delta = stats_delta(before)
+    assert delta["arrays_shared"] == 1 and delta["bytes_copied"] == a.nbytes
+    assert delta["arrays_received"] == 1 and delta["arrays_resent"] == 0
+    before = torchshm.stats()
+    again = pickle.loads(ForkingPickler.dumps(r[10:]))
+    delta = stats_delta(before)
+    assert delta["arrays_resent"] == 1 and delta["arrays_shared"] == 0
+    assert delta["bytes_copied"] == 0 and delta["arrays_received"] == 1
+    assert np.shares_memory(again, r)
+
+
+def test_reset_stats_zeroes_the_native_counters():
+    pickle.loads(ForkingPickler.dumps(np.arange(100_000)))
+    torchshm.reset_stats()
+    counts = torchshm.stats()
+    assert all(counts[k] == 0 for k in counts if k != "fallbacks")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_counts_from_zero():
+    pickle.loads(ForkingPickler.dumps(np.arange(100_000)))
+    assert torchshm.stats()["arrays_received"] > 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            counts = torchshm.stats()
+            ok = all(counts[k] == 0 for k in counts if k != "fallbacks")
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_plan_answers_where_memory_lives():
+    a = np.arange(100_000.0)
+    message = _message.Message()
+    owner, name, args = message.plan.place(a)
+    assert name.startswith("/torchshm_") and args[0] % _sender.ALIGNMENT == 0
+    again = _reduction.rebuild_ndarray(owner, *args)
+    np.testing.assert_array_equal(again, a)
+    # Memory in a segment is named, not copied: a view of it, in a new message.
+    view = again[5:]
+    owner2, name2, args2 = _message.Message().plan.place(view)
+    assert name2 == name and args2[0] == args[0] + 5 * 8
+    # A torch tensor's own memory is handed back to the policy.
+    import torch
+
+    t = torch.arange(10_000, dtype=torch.float64)
+    tensor, none, offset = _message.Message().plan.place(t.numpy()[3:])
+    assert tensor.data_ptr() == t.data_ptr() and none is None and offset == 24
+
+
+def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):
+    from torchshm import _segments
+
+    def wrong(nbytes):
+        return np.zeros(nbytes, np.uint8)  # not a tensor: a torchshm bug
+
+    monkeypatch.setattr(_segments, "allocate", wrong)
+    monkeypatch.setattr(_sender, "_warned", set())
+    a = np.arange(100_000)
+    with pytest.warns(RuntimeWarning, match="report this as a bug"):
+        received = pickle.loads(ForkingPickler.dumps(a))
+    np.testing.assert_array_equal(received, a)
+
+
+def test_handles_write_references_without_tickets():
+    a = np.arange(100_000.0)
+    data = torchshm.dumps(a)
+    try:
+        loaded = [torchshm.loads(data) for _ in range(3)]
+        for x in loaded:
+            np.testing.assert_array_equal(x, a)
+        assert np.shares_memory(loaded[0], loaded[2])
+    finally:
+        torchshm.release(data)
+    assert _reduction.reference_without_ticket(object()) is None

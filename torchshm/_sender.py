@@ -1,0 +1,241 @@
+"""The sender's policy: which ndarrays go through shared memory, and what
+happens when one cannot.
+
+The registered ForkingPickler reducer is native (`REDUCER`, csrc/plan.cpp):
+below min(threshold, PACK_MIN) it returns numpy's own reduce without entering
+Python; every other array comes to `reduce_ndarray` here, which decides and
+asks the message's Plan (one native call) where the array lives and where
+its copy goes. The numbers below, and the threshold, are pushed into the
+native side by `configure()` whenever they change.
+"""
+
+import errno
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+import torch
+from torch.multiprocessing import get_sharing_strategy as sharing_strategy
+
+from torchshm import _config, _message, _segments, _stats
+from torchshm._compat import load_native, untyped_storage
+from torchshm._reduction import (
+    rebuild_empty,
+    rebuild_inline,
+    rebuild_ndarray,
+    rebuild_ndarray_from_reduced_storage,
+)
+
+_C = load_native()
+
+# Subclasses torchshm rebuilds itself; every other subclass pickles as it would.
+SUBCLASSES = (np.memmap, np.recarray)
+# A view spanning more than this many times its bytes is compacted, not copied
+# with its gaps (a[::100] of a large array copies 1% of it, not all of it).
+SPARSE_RATIO = 2
+# Copies smaller than PACK_LIMIT are packed into the message's chunk: one
+# segment for many arrays, instead of a segment, mapping and ticket each.
+# Chunks grow 4x from CHUNK_START to CHUNK_MAX: a message needs few segments
+# (64 MB of small arrays: 4) and reserves at most 4x its last chunk's use.
+PACK_LIMIT = 16 << 20
+# Below the threshold an array is pickled inline, unless its message already
+# carried a threshold's worth of arrays of at least PACK_MIN bytes: from then
+# on, packing them costs less than pickling (1000 x 64 KiB: ~6x less).
+PACK_MIN = 16 << 10
+CHUNK_START = 1 << 20
+CHUNK_MAX = 64 << 20
+ALIGNMENT = 64
+_NPY_USERDEF = 256
+
+
+def reduce_ndarray(array):
+    """ForkingPickler reducer. Never raises: any failure pickles by value.
+
+    Failures that mean "shared memory cannot take this now" (a full /dev/shm,
+    no fds left...) fall back with one warning per reason; anything else is a
+    torchshm bug, which still falls back (a reducer that raises in a Queue's
+    feeder thread loses the message) but says so."""
+    try:
+        return _reduce_through_shared_memory(array) or array.__reduce__()
+    except _C.SharedMemoryError as exc:
+        reason = _FALLBACK_REASONS.get(exc.errno)
+        if reason is None:
+            reason = f"shared-memory error: {errno.errorcode.get(exc.errno, exc.errno)}"
+        _warn_once(
+            f"torchshm: could not share an array ({exc}); pickling it by value", reason
+        )
+    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+        reason = f"internal error: {type(exc).__name__}"
+        _warn_once(
+            f"torchshm: unexpected {type(exc).__name__} while sharing an array"
+            f" ({exc}); pickling it by value. Please report this as a bug.",
+            reason,
+        )
+    _stats.fallback(reason)
+    return array.__reduce__()
+
+
+# The reducer registered with ForkingPickler (see the module's docstring).
+REDUCER = _C.reduce_ndarray
+
+# errno -> the stats() key of a failure that means "fall back to pickling".
+_FALLBACK_REASONS = {
+    errno.ENOSPC: "no space in /dev/shm",
+    errno.ENOMEM: "out of memory",
+    errno.EMFILE: "too many open files",
+    errno.ENFILE: "too many open files",
+    errno.EACCES: "/dev/shm not writable",
+    errno.EROFS: "/dev/shm not writable",
+}
+
+
+def _allocate(nbytes):
+    # Looked up at each call, so that the pool and budget policy stays
+    # _segments.allocate's (and a test may replace it).
+    return _segments.allocate(nbytes)
+
+
+def configure(threshold=None):
+    """Pushes the policy numbers into the native sender (at import, and by
+    _config whenever the threshold changes)."""
+    if threshold is None:
+        threshold = _config.get_threshold()
+    _C.configure_sender(
+        policy_reducer=reduce_ndarray,
+        allocate=_allocate,
+        inline_below=min(threshold, PACK_MIN),
+        sparse_ratio=SPARSE_RATIO,
+        pack_limit=PACK_LIMIT,
+        chunk_start=CHUNK_START,
+        chunk_max=CHUNK_MAX,
+        alignment=ALIGNMENT,
+        copy_threads=_config.copy_threads(),
+    )
+
+
+def is_shared(array: Any) -> bool:
+    """Whether the array's memory is torch shared memory (sent without a copy)."""
+    owner = _owner_of(array) if isinstance(array, np.ndarray) else None
+    return isinstance(owner, torch.Tensor) and (
+        _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()
+    )
+
+
+def _reduce_through_shared_memory(array):
+    if array.dtype.hasobject:
+        _stats.fallback("object dtype")
+        return None
+    if array.size == 0:
+        _stats.add("arrays_inline")
+        return rebuild_empty, _view_args(array, 0)
+    threshold = _config.get_threshold()
+    if array.nbytes < threshold:
+        return _reduce_small(array, threshold)
+    # _share, inlined: this is the path of every fresh array.
+    message = _message.current()
+    owner, name, args = message.plan.place(array, False)
+    if name is None:
+        return _over_torch_storage(array, owner, args, message)
+    return rebuild_ndarray, (message.ref(owner, name), *args)
+
+
+def _reduce_small(array, threshold):
+    """Inline, until the message carried a threshold's worth of such arrays."""
+    if array.nbytes < PACK_MIN:
+        _stats.add("arrays_inline")
+        return None
+    message = _message.current()
+    if message.small_bytes >= threshold:
+        return _share(array, message)
+    message.small_bytes += array.nbytes
+    _stats.add("arrays_inline")
+    return (rebuild_inline, (message.token(),) + array.__reduce__())
+
+
+def _share(array, message):
+    """By reference if the memory is shared already, else a snapshot (the
+    native plan decides which, and copies)."""
+    owner, name, args = message.plan.place(array, False)
+    if name is None:
+        return _over_torch_storage(array, owner, args, message)
+    return rebuild_ndarray, (message.ref(owner, name), *args)
+
+
+def _over_torch_storage(array, tensor, offset, message):
+    """An array over a torch tensor's memory that torchshm did not make.
+
+    Under file_descriptor (torch's default) the receiver fetches an fd from
+    the live sender, and keeps it open: a sender that exits before the
+    receiver unpickles loses the message, and a consumer under a low
+    `ulimit -n` runs out. Only file_system has neither flaw; otherwise the
+    array is snapshotted like any other."""
+    storage = untyped_storage(tensor)
+    if storage.is_shared() and sharing_strategy() == "file_system":
+        # torch's own storage reducer, called here so that its failures stay
+        # inside reduce_ndarray's guard.
+        rebuild_storage, storage_args = ForkingPickler._extra_reducers[type(storage)](
+            storage
+        )
+        _stats.add("arrays_resent")
+        return rebuild_ndarray_from_reduced_storage, (
+            rebuild_storage,
+            storage_args,
+        ) + _view_args(array, offset)
+    owner, name, args = message.plan.place(array, True)
+    return rebuild_ndarray, (message.ref(owner, name), *args)
+
+
+def _view_args(array, offset):
+    """rebuild_ndarray's arguments after the owner (the native plan builds
+    the same for the arrays it places)."""
+    dtype = array.dtype
+    # A builtin dtype's .str round-trips it exactly unless it has fields, a
+    # sub-array or metadata; a str pickles in a fraction of the time a dtype
+    # object does. User-registered dtypes (num >= NPY_USERDEF, 256) and
+    # new-style ones (num -1) have a .str that names only their bytes.
+    if (
+        0 <= dtype.num < _NPY_USERDEF
+        and dtype.fields is None
+        and dtype.subdtype is None
+        and dtype.metadata is None
+    ):
+        dtype = dtype.str
+    return (
+        offset,
+        dtype,
+        array.shape,
+        array.strides,
+        array.flags.writeable,
+        None if type(array) is np.ndarray else type(array),
+    )
+
+
+def _owner_of(array):
+    """What owns the array's memory: a tensor for shared memory (received,
+    shared, or born in a segment: Note [Born shared] in csrc/allocator.h)."""
+    root, nearest = _root_of(array)
+    if root is None:
+        return _C.born_owner(_C.data_address(nearest))
+    return root
+
+
+def _root_of(array):
+    """(the object owning the array's memory, the ndarray nearest to it)."""
+    nearest, base = array, array.base
+    while isinstance(base, np.ndarray):
+        nearest, base = base, base.base
+    return base, nearest
+
+
+_warned = set()
+
+
+def _warn_once(message, key):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+configure()
+_config.on_threshold_change(configure)
