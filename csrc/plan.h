@@ -16,7 +16,8 @@ namespace torchshm {
 // one Plan per message (torchshm/_message.py). Plan::place answers, for one
 // array at or above the threshold:
 // 1. Where its memory lives: the base chain is walked here (root object,
-//    nearest ndarray). Memory already in a torchshm segment is sent by
+//    nearest ndarray). Memory already in a torchshm segment (received,
+//    shared, or born there: Note [Born shared] in allocator.h) is sent by
 //    reference (offset relative to the segment's storage); a root that is a
 //    torch tensor over memory torchshm did not make is handed back to Python,
 //    which decides by torch's sharing strategy.
