@@ -132,12 +132,7 @@ def _reduce_through_shared_memory(array):
     threshold = _config.get_threshold()
     if array.nbytes < threshold:
         return _reduce_small(array, threshold)
-    # _share, inlined: this is the path of every fresh array.
-    message = _message.current()
-    owner, name, args = message.plan.place(array, False)
-    if name is None:
-        return _over_torch_storage(array, owner, args, message)
-    return rebuild_ndarray, (message.ref(owner, name), *args)
+    return _share(array, _message.current())
 
 
 def _reduce_small(array, threshold):
