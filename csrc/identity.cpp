@@ -1,10 +1,12 @@
 #include "identity.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <mutex>
@@ -26,6 +28,9 @@ Lock child;  // between prepare_child and the end of fork
 // Processes found dead; ids are never reused, so the answer never changes.
 std::unordered_set<uint64_t> dead;
 constexpr size_t kDeadCacheMax = 1 << 14;
+
+std::atomic<pid_t> cached_pid{0};
+void refresh_pid() { cached_pid.store(::getpid(), std::memory_order_relaxed); }
 
 // Creates and locks a fresh lock file. It is created under a temporary name
 // and renamed once locked: a sweeper that sees the final name unlocked may
@@ -136,6 +141,15 @@ void remove_own_lock() {
   if (self.id == 0) return;
   ::unlink(lock_path(self.id).c_str());
   close_lock(self);
+}
+
+pid_t current_pid() {
+  // Registered before the first answer is cached, so no fork can come
+  // between the two.
+  static const bool registered =
+      (::pthread_atfork(nullptr, nullptr, &refresh_pid), refresh_pid(), true);
+  (void)registered;
+  return cached_pid.load(std::memory_order_relaxed);
 }
 
 }  // namespace torchshm

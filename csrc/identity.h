@@ -44,6 +44,11 @@ uint64_t prepare_child();
 void after_fork_in_parent();
 void after_fork_in_child();
 
+// getpid(), cached: it is asked on every view's birth and death, and glibc
+// makes it a system call. A pthread_atfork handler refreshes it in every
+// forked child (however the fork was made, as long as it ran through fork()).
+pid_t current_pid();
+
 // Removes this process's lock file (a clean exit, after every slot it held
 // was released).
 void remove_own_lock();

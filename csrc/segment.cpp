@@ -16,7 +16,7 @@
 
 namespace torchshm {
 
-constexpr uint64_t kMagic = 0x326d687368637274ULL;  // "trchshm2"
+constexpr uint64_t kMagic = 0x336d687368637274ULL;  // "trchshm3"
 
 // The layout torchshm/_reaper.py reads too (it has no native code): keep the
 // offsets there in step.
@@ -26,13 +26,15 @@ struct Header {
   uint64_t creator;                        // 16
   std::atomic<uint64_t> generation;        // 24
   std::atomic<uint32_t> unlinked;          // 32
-  uint32_t reserved[7];                    // 36
+  std::atomic<uint32_t> slots_used;        // 36: see scan_end()
+  uint32_t reserved[6];                    // 40
   std::atomic<uint64_t> slots[kSlots];     // 64
   std::atomic<uint64_t> channels[kSlots];  // 64 + 8 * kSlots
   std::atomic<uint64_t> verdicts[kSlots];  // 64 + 16 * kSlots
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its pages");
 static_assert(offsetof(Header, slots) == 64, "the reaper reads slots at 64");
+static_assert(offsetof(Header, slots_used) == 36, "the reaper skips it");
 static_assert(offsetof(Header, verdicts) == 64 + 16 * kSlots,
               "the reaper writes verdicts there");
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
@@ -91,6 +93,15 @@ Segment::Segment(std::string name, void* base, size_t mapped_bytes,
 
 Header* Segment::header() const { return static_cast<Header*>(base_); }
 
+// No slot at or above the watermark was ever taken, so scans stop there
+// (most segments only ever use a few low slots). take_slot raises it before
+// its CAS, both seq_cst: a scan that loads it and then the slots misses only
+// slots taken after the scan began, as a scan of every slot would.
+int Segment::scan_end() const {
+  return static_cast<int>(
+      std::min<uint32_t>(header()->slots_used.load(), kSlots));
+}
+
 std::shared_ptr<Segment> Segment::create(const std::string& name,
                                          int64_t capacity, uint64_t creator,
                                          int threads) {
@@ -118,6 +129,7 @@ std::shared_ptr<Segment> Segment::create(const std::string& name,
   Header* h = static_cast<Header*>(base);
   h->capacity = capacity;
   h->creator = creator;
+  h->slots_used.store(1);
   h->slots[0].store(creator);
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kMagic;
@@ -157,12 +169,16 @@ std::shared_ptr<Segment> Segment::attach(const std::string& name) {
 Segment::~Segment() { ::munmap(base_, mapped_bytes_); }
 
 int Segment::take_slot(uint64_t holder) {
-  auto* slots = header()->slots;
+  Header* h = header();
   for (int i = 0; i < kSlots; ++i) {
+    if (h->slots[i].load() != 0) continue;
+    uint32_t used = h->slots_used.load();
+    const uint32_t wanted = static_cast<uint32_t>(i) + 1;
+    while (used < wanted &&
+           !h->slots_used.compare_exchange_weak(used, wanted)) {
+    }
     uint64_t expected = 0;
-    if (slots[i].load() == 0 &&
-        slots[i].compare_exchange_strong(expected, holder))
-      return i;
+    if (h->slots[i].compare_exchange_strong(expected, holder)) return i;
   }
   return -1;
 }
@@ -186,7 +202,7 @@ uint64_t Segment::issue_ticket(uint64_t channel) {
 
 int Segment::claim_ticket(uint64_t ticket, uint64_t holder) {
   auto* slots = header()->slots;
-  for (int i = 0; i < kSlots; ++i) {
+  for (int i = 0, end = scan_end(); i < end; ++i) {
     uint64_t expected = ticket;
     if (slots[i].load() == ticket &&
         slots[i].compare_exchange_strong(expected, holder))
@@ -197,7 +213,7 @@ int Segment::claim_ticket(uint64_t ticket, uint64_t holder) {
 
 bool Segment::cancel_ticket(uint64_t ticket) {
   auto* slots = header()->slots;
-  for (int i = 0; i < kSlots; ++i) {
+  for (int i = 0, end = scan_end(); i < end; ++i) {
     uint64_t expected = ticket;
     if (slots[i].load() == ticket &&
         slots[i].compare_exchange_strong(expected, 0))
@@ -208,7 +224,7 @@ bool Segment::cancel_ticket(uint64_t ticket) {
 
 bool Segment::has_live_holder(int except_slot) {
   auto* slots = header()->slots;
-  for (int i = 0; i < kSlots; ++i) {
+  for (int i = 0, end = scan_end(); i < end; ++i) {
     uint64_t word = slots[i].load();
     if (i == except_slot || word == 0) continue;
     // A ticket the reaper found dead (its pipe is closed everywhere). A
@@ -242,12 +258,16 @@ bool Segment::unlinked() const { return header()->unlinked.load() != 0; }
 
 int64_t Segment::holders() const {
   int64_t n = 0;
-  for (int i = 0; i < kSlots; ++i) n += header()->slots[i].load() != 0;
+  for (int i = 0, end = scan_end(); i < end; ++i)
+    n += header()->slots[i].load() != 0;
   return n;
 }
 
 View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
-    : segment(std::move(seg)), slot(slot_), holder(holder_), pid(::getpid()) {
+    : segment(std::move(seg)),
+      slot(slot_),
+      holder(holder_),
+      pid(current_pid()) {
   segment->views_.fetch_add(1);
 }
 
@@ -259,14 +279,14 @@ View::~View() {
 void View::disown() {
   // A forked child that never adopted (fork without torchshm's hooks) must
   // not release the parent's slot.
-  if (pid.load() != ::getpid()) return;
+  if (pid.load() != current_pid()) return;
   const int s = slot.exchange(-1);
   if (s >= 0) segment->release_slot(s, holder.load());
 }
 
 void View::adopt(int slot_, uint64_t holder_) {
   holder.store(holder_);
-  pid.store(::getpid());
+  pid.store(current_pid());
   slot.store(slot_);
 }
 
@@ -278,8 +298,13 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
   at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
   at::Storage storage(at::Storage::use_byte_size_t(), n, std::move(ptr),
                       /*allocator=*/nullptr, /*resizable=*/false);
-  return at::empty({0}, at::TensorOptions().dtype(at::kChar))
-      .set_(storage, 0, {n}, {1});
+  // What at::empty + set_ make, without two trips through the dispatcher
+  // (one is made per message).
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::Make<int8_t>());
+  impl->set_sizes_contiguous({n});
+  return at::Tensor(std::move(impl));
 }
 
 View* view_of(const at::Tensor& tensor) {

@@ -2,8 +2,9 @@
 // and the int8 torch tensors ("views") that expose its data.
 //
 // Note [Segment lifetime]
-// Header: magic, capacity, the creator's id, a generation, an `unlinked` flag
-// and 336 holder slots. A slot holds one holder word (identity.h): a process
+// Header: magic, capacity, the creator's id, a generation, an `unlinked` flag,
+// a watermark above which no slot was ever taken (scans stop there), and 336
+// holder slots. A slot holds one holder word (identity.h): a process
 // id, or a ticket (kTicketBit | nonce) for one message in flight. Beside each
 // slot: the pipe a ticket's message was written to (its inode, 0 if unknown)
 // and the reaper's verdict (a ticket word it found dead). Every change is one
@@ -155,6 +156,7 @@ class Segment {
   friend struct View;
   Segment(std::string name, void* base, size_t mapped_bytes, int64_t capacity);
   struct Header* header() const;
+  int scan_end() const;
 
   std::string name_;
   void* base_;

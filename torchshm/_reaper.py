@@ -39,7 +39,7 @@ ORPHAN_SCAN_SECONDS = 10.0
 NEW_LOCK_SECONDS = 60.0  # a lock file still being created
 
 # csrc/segment.h: the header's layout.
-MAGIC = 0x326D687368637274
+MAGIC = 0x336D687368637274
 HEADER_BYTES = 8192
 UNLINKED_OFFSET = 32
 SLOTS = 336
