@@ -5,8 +5,11 @@
 // OSError subclass whose .errno is `err`.
 #pragma once
 
+#include <Python.h>
+
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -32,5 +35,10 @@ template <typename... Parts>
   out << ": " << std::strerror(err);
   throw ShmError(err, out.str());
 }
+
+// Sets the Python error for a C++ exception as the bindings translate it:
+// ShmError as torchshm._C.SharedMemoryError(errno, message), a pending
+// Python error as itself, anything else as RuntimeError (module.cpp).
+void set_python_error(std::exception_ptr error);
 
 }  // namespace torchshm

@@ -1,5 +1,5 @@
 // Bindings only: the mechanism lives in segment.cpp, identity.cpp,
-// allocator.cpp, ndarray.cpp, plan.cpp and stats.cpp.
+// allocator.cpp, ndarray.cpp, pool.cpp, plan.cpp, message.cpp and stats.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
@@ -7,9 +7,11 @@
 #include "budget.h"
 #include "errors.h"
 #include "identity.h"
+#include "message.h"
 #include "ndarray.h"
 #include "numpy_api.h"
 #include "plan.h"
+#include "pool.h"
 #include "segment.h"
 #include "stats.h"
 
@@ -27,6 +29,23 @@ View& checked_view(const at::Tensor& tensor) {
 PyObject* shm_error_type = nullptr;
 
 }  // namespace
+
+void torchshm::set_python_error(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const torchshm::ShmError& e) {
+    py::object args = py::make_tuple(e.err(), e.what());
+    PyErr_SetObject(shm_error_type, args.ptr());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "torchshm: unknown C++ exception");
+  }
+}
 
 PYBIND11_MODULE(_C, m) {
   if (_import_array() < 0) throw py::error_already_set();
@@ -47,9 +66,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const torchshm::ShmError& e) {
-      py::object args = py::make_tuple(e.err(), e.what());
-      PyErr_SetObject(shm_error_type, args.ptr());
+    } catch (const torchshm::ShmError&) {
+      torchshm::set_python_error(p);
     }
   });
 
@@ -147,22 +165,83 @@ PYBIND11_MODULE(_C, m) {
       py::arg("strides"), py::arg("writeable"),
       "wrap_ndarray for a received array: counted as arrays_received.");
 
-  // The sender (plan.h, Note [Sender plan]).
-  py::class_<torchshm::Plan>(m, "Plan")
+  // The sender's pool (pool.h, Note [Segment pool]).
+  using torchshm::SegmentPool;
+  py::class_<SegmentPool, std::shared_ptr<SegmentPool>>(m, "SegmentPool")
+      .def(py::init([](int64_t min_class, int64_t steps, double max_waste) {
+             TORCH_CHECK(min_class > 0 && steps > 0 && max_waste >= 1,
+                         "invalid size classes");
+             return std::make_shared<SegmentPool>(
+                 torchshm::PoolClasses{min_class, steps, max_waste});
+           }),
+           py::arg("min_class"), py::arg("steps"), py::arg("max_waste"))
+      .def("size_class", &SegmentPool::size_class, py::arg("nbytes"))
+      .def(
+          "take",
+          [](SegmentPool& self, int64_t nbytes, bool thorough) -> py::object {
+            at::Tensor owner = self.take(nbytes, thorough);
+            return owner.defined() ? py::cast(owner) : py::none();
+          },
+          py::arg("nbytes"), py::arg("thorough"))
+      .def("admit", &SegmentPool::admit, py::arg("segment"))
+      .def("get", &SegmentPool::get, py::arg("name"))
+      .def("release_idle", &SegmentPool::release_idle,
+           py::arg("older_than") = 0.0)
+      .def("release_all", &SegmentPool::release_all)
+      .def("forget", &SegmentPool::forget)
+      .def("names", &SegmentPool::names)
+      .def("__len__", &SegmentPool::size)
+      .def_property_readonly("nbytes", &SegmentPool::nbytes)
+      .def_readwrite("fast_until", &SegmentPool::fast_until);
+  m.def("monotonic", &torchshm::monotonic_seconds,
+        "time.monotonic()'s clock, as the pool reads it.");
+
+  // The sender (plan.h, Note [Sender plan]; message.h, Note [One message,
+  // one snapshot]).
+  using torchshm::Message;
+  py::class_<Message>(m, "Message")
       .def(py::init<>())
-      .def("place", &torchshm::Plan::place, py::arg("array"),
-           py::arg("copy") = false);
+      .def(
+          "place",
+          [](Message& self, py::handle array, bool copy) {
+            torchshm::Placement p = self.plan.place(array, copy);
+            if (p.name.is_none())
+              return py::make_tuple(p.owner, p.name, p.offset);
+            return py::make_tuple(
+                p.owner, p.name,
+                torchshm::view_args(array, p.offset, p.strides));
+          },
+          py::arg("array"), py::arg("copy") = false)
+      .def("share", &Message::share, py::arg("array"), py::arg("copy") = false)
+      .def("ref", &Message::ref, py::arg("owner"), py::arg("name"))
+      .def("token", &Message::token)
+      .def_readwrite("small_bytes", &Message::small_bytes);
+  py::class_<torchshm::SegmentRef>(m, "SegmentRef")
+      .def_readonly("owner", &torchshm::SegmentRef::owner)
+      .def_readonly("name", &torchshm::SegmentRef::name)
+      .def("__reduce__", &torchshm::SegmentRef::reduce);
+  m.def("current_message", &torchshm::current_message);
+  m.def("current_channel", &torchshm::current_channel);
+  m.def(
+      "view_args",
+      [](py::handle array, int64_t offset) {
+        TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray");
+        return torchshm::view_args(array, offset);
+      },
+      py::arg("array"), py::arg("offset"));
   m.def(
       "configure_sender",
-      [](py::object policy_reducer, py::object allocate, int64_t inline_below,
-         int64_t sparse_ratio, int64_t pack_limit, int64_t chunk_start,
-         int64_t chunk_max, int64_t alignment, int copy_threads) {
-        TORCH_CHECK(sparse_ratio >= 1 && pack_limit >= 0 && chunk_start > 0 &&
-                        chunk_max >= chunk_start && alignment > 0 &&
-                        copy_threads >= 1,
+      [](py::object policy_reducer, py::object fall_back, py::object allocate,
+         int64_t inline_below, int64_t threshold, int64_t sparse_ratio,
+         int64_t pack_limit, int64_t chunk_start, int64_t chunk_max,
+         int64_t alignment, int copy_threads) {
+        TORCH_CHECK(threshold >= 0 && sparse_ratio >= 1 && pack_limit >= 0 &&
+                        chunk_start > 0 && chunk_max >= chunk_start &&
+                        alignment > 0 && copy_threads >= 1,
                     "invalid sender policy");
         torchshm::SenderPolicy p;
         p.inline_below = inline_below;
+        p.threshold = threshold;
         p.sparse_ratio = sparse_ratio;
         p.pack_limit = pack_limit;
         p.chunk_start = chunk_start;
@@ -170,14 +249,20 @@ PYBIND11_MODULE(_C, m) {
         p.alignment = alignment;
         p.copy_threads = copy_threads;
         torchshm::configure_sender(std::move(policy_reducer),
-                                   std::move(allocate), p);
+                                   std::move(fall_back), std::move(allocate),
+                                   p);
       },
-      py::arg("policy_reducer"), py::arg("allocate"), py::arg("inline_below"),
-      py::arg("sparse_ratio"), py::arg("pack_limit"), py::arg("chunk_start"),
-      py::arg("chunk_max"), py::arg("alignment"), py::arg("copy_threads"));
+      py::arg("policy_reducer"), py::arg("fall_back"), py::arg("allocate"),
+      py::arg("inline_below"), py::arg("threshold"), py::arg("sparse_ratio"),
+      py::arg("pack_limit"), py::arg("chunk_start"), py::arg("chunk_max"),
+      py::arg("alignment"), py::arg("copy_threads"));
+  m.def("configure_sender_pool", &torchshm::configure_sender_pool,
+        py::arg("pool"), py::arg("live"));
+  m.def("configure_wire", &torchshm::configure_wire, py::arg("rebuild_ndarray"),
+        py::arg("attach_segment"), py::arg("message_token"));
+  m.def("configure_channel", &torchshm::configure_channel, py::arg("writers"),
+        py::arg("pipe_inode"), py::arg("max_depth"));
   m.attr("reduce_ndarray") = torchshm::fast_reducer();
-  m.def("ticket_for", &torchshm::ticket_for, py::arg("tensor"),
-        py::arg("channel") = 0);
 
   std::vector<std::string> names(
       torchshm::kCounterNames,

@@ -13,15 +13,8 @@
 namespace torchshm {
 namespace {
 
-struct Sender {
-  // Strong references, never released: the policy lives as long as the
-  // interpreter, and a reducer may run during its shutdown.
-  PyObject* policy_reducer = nullptr;
-  PyObject* allocate = nullptr;
-  PyObject* reduce_name = nullptr;  // "__reduce__", interned
-  SenderPolicy policy;
-};
-Sender sender;
+SenderPolicy policy;
+SenderHooks hooks;
 
 inline PyArrayObject* as_array(py::handle obj) {
   return reinterpret_cast<PyArrayObject*>(obj.ptr());
@@ -35,34 +28,6 @@ py::tuple int_tuple(const npy_intp* values, int n) {
   py::tuple out(n);
   for (int i = 0; i < n; ++i) out[i] = py::int_(values[i]);
   return out;
-}
-
-// rebuild_ndarray's arguments after the owner: (offset, dtype, shape,
-// strides, writeable, subtype). A builtin dtype travels as its .str, which
-// round-trips it exactly unless it has fields, a sub-array or metadata, and
-// pickles in a fraction of the time of a dtype object. User-registered dtypes
-// (num >= NPY_USERDEF) and new-style ones (num -1) have a .str that names
-// only their bytes.
-py::tuple view_args(py::handle array, int64_t offset,
-                    const npy_intp* strides = nullptr) {
-  PyArrayObject* a = as_array(array);
-  PyArray_Descr* descr = PyArray_DESCR(a);
-  py::handle d(reinterpret_cast<PyObject*>(descr));
-  py::object dtype = py::reinterpret_borrow<py::object>(d);
-  if (descr->type_num >= 0 && descr->type_num < NPY_USERDEF &&
-      !PyDataType_HASFIELDS(descr) && !PyDataType_HASSUBARRAY(descr) &&
-      d.attr("metadata").is_none())
-    dtype = d.attr("str");
-  const int nd = PyArray_NDIM(a);
-  py::object subtype =
-      Py_TYPE(array.ptr()) == &PyArray_Type
-          ? py::none()
-          : py::reinterpret_borrow<py::object>(
-                reinterpret_cast<PyObject*>(Py_TYPE(array.ptr())));
-  return py::make_tuple(offset, std::move(dtype),
-                        int_tuple(PyArray_DIMS(a), nd),
-                        int_tuple(strides ? strides : PyArray_STRIDES(a), nd),
-                        py::bool_(PyArray_ISWRITEABLE(a)), std::move(subtype));
 }
 
 // Dense strides that keep the array's axis order (C, F or other).
@@ -90,51 +55,78 @@ py::object segment_name(const at::Tensor& tensor) {
   return py::str(view->segment->name());
 }
 
-}  // namespace
-
-void configure_sender(py::object policy_reducer, py::object allocate,
-                      const SenderPolicy& policy) {
-  Py_XSETREF(sender.policy_reducer, policy_reducer.release().ptr());
-  Py_XSETREF(sender.allocate, allocate.release().ptr());
-  if (sender.reduce_name == nullptr)
-    sender.reduce_name = PyUnicode_InternFromString("__reduce__");
-  sender.policy = policy;
+// A view over an idle pooled segment, taken without entering Python, or
+// None: the pool is not armed (Note [Segment pool]) or has none idle.
+py::object take_pooled(int64_t nbytes) {
+  SegmentPool* pool = hooks.pool.get();
+  if (pool == nullptr || !(monotonic_seconds() < pool->fast_until))
+    return py::none();
+  at::Tensor tensor = pool->take(nbytes, /*thorough=*/false);
+  if (!tensor.defined()) return py::none();
+  py::object owner = py::cast(tensor);
+  // As _segments.allocate_block records it: fork gives children a slot in
+  // every live view's segment (Note [Fork] in torchshm/_segments.py).
+  py::object weak =
+      py::reinterpret_steal<py::object>(PyWeakref_NewRef(owner.ptr(), nullptr));
+  if (!weak ||
+      PyDict_SetItem(hooks.live, segment_name(tensor).ptr(), weak.ptr()) != 0)
+    throw py::error_already_set();
+  count(kSegmentsReused);
+  return owner;
 }
-
-namespace {
-
-// Small non-object arrays: numpy's own reduce, counted as inline. Every
-// other array (shared, packed, empty, object dtype) goes to Python's policy
-// reducer, which never raises (torchshm/_sender.py: reduce_ndarray).
-PyObject* fast_reduce(PyObject* /*self*/, PyObject* obj) {
-  if (sender.policy_reducer == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError,
-                    "torchshm: the sender is not configured (import torchshm)");
-    return nullptr;
-  }
-  if (PyArray_Check(obj)) {
-    auto* a = reinterpret_cast<PyArrayObject*>(obj);
-    if (!PyDataType_REFCHK(PyArray_DESCR(a)) && PyArray_SIZE(a) > 0 &&
-        PyArray_NBYTES(a) < sender.policy.inline_below) {
-      count(kArraysInline);
-      return PyObject_CallMethodNoArgs(obj, sender.reduce_name);
-    }
-  }
-  return PyObject_CallOneArg(sender.policy_reducer, obj);
-}
-
-PyMethodDef fast_reduce_def = {
-    "reduce_ndarray", fast_reduce, METH_O,
-    "torchshm's ForkingPickler reducer for ndarrays: below the inline bound "
-    "numpy's own reduce, else torchshm._sender.reduce_ndarray."};
 
 }  // namespace
 
-py::object fast_reducer() {
-  PyObject* fn = PyCFunction_NewEx(&fast_reduce_def, nullptr, nullptr);
-  if (fn == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
+// A builtin dtype travels as its .str, which round-trips it exactly unless it
+// has fields, a sub-array or metadata, and pickles in a fraction of the time
+// of a dtype object. User-registered dtypes (num >= NPY_USERDEF) and
+// new-style ones (num -1) have a .str that names only their bytes.
+py::tuple view_args(py::handle array, int64_t offset,
+                    const std::vector<npy_intp>& strides, py::handle first) {
+  PyArrayObject* a = as_array(array);
+  PyArray_Descr* descr = PyArray_DESCR(a);
+  py::handle d(reinterpret_cast<PyObject*>(descr));
+  py::object dtype = py::reinterpret_borrow<py::object>(d);
+  if (descr->type_num >= 0 && descr->type_num < NPY_USERDEF &&
+      !PyDataType_HASFIELDS(descr) && !PyDataType_HASSUBARRAY(descr) &&
+      d.attr("metadata").is_none())
+    dtype = d.attr("str");
+  const int nd = PyArray_NDIM(a);
+  py::object subtype =
+      Py_TYPE(array.ptr()) == &PyArray_Type
+          ? py::none()
+          : py::reinterpret_borrow<py::object>(
+                reinterpret_cast<PyObject*>(Py_TYPE(array.ptr())));
+  py::object items[] = {
+      py::int_(offset),
+      std::move(dtype),
+      int_tuple(PyArray_DIMS(a), nd),
+      int_tuple(strides.empty() ? PyArray_STRIDES(a) : strides.data(), nd),
+      py::bool_(PyArray_ISWRITEABLE(a)),
+      std::move(subtype)};
+  const int skip = first ? 0 : 1;
+  py::tuple out(7 - skip);
+  if (first) out[0] = py::reinterpret_borrow<py::object>(first);
+  for (int i = 0; i < 6; ++i) out[i + 1 - skip] = std::move(items[i]);
+  return out;
 }
+
+void configure_sender(py::object policy_reducer, py::object fall_back,
+                      py::object allocate, const SenderPolicy& p) {
+  Py_XSETREF(hooks.policy_reducer, policy_reducer.release().ptr());
+  Py_XSETREF(hooks.fall_back, fall_back.release().ptr());
+  Py_XSETREF(hooks.allocate, allocate.release().ptr());
+  policy = p;
+}
+
+void configure_sender_pool(std::shared_ptr<SegmentPool> pool, py::object live) {
+  TORCH_CHECK(PyDict_Check(live.ptr()), "expected a dict of live views");
+  hooks.pool = std::move(pool);
+  Py_XSETREF(hooks.live, live.release().ptr());
+}
+
+const SenderPolicy& sender_policy() { return policy; }
+const SenderHooks& sender_hooks() { return hooks; }
 
 // Where an array's memory lives in a torchshm segment, if it does: the only
 // place the sender decides "this memory is a segment"; everything after it
@@ -150,7 +142,7 @@ at::Tensor lookup_segment_owner(py::handle root, py::handle nearest) {
   return at::Tensor();
 }
 
-py::tuple Plan::place(py::handle array, bool copy) {
+Placement Plan::place(py::handle array, bool copy) {
   TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
               std::string(py::str(py::type::handle_of(array))));
   // The base chain: the object owning the memory, the ndarray nearest to it.
@@ -178,29 +170,27 @@ py::tuple Plan::place(py::handle array, bool copy) {
             root && root.ptr() != Py_None && THPVariable_Check(root.ptr())
                 ? py::reinterpret_borrow<py::object>(root)
                 : py::cast(owner);
-        return py::make_tuple(std::move(ref_owner),
-                              py::str(view->segment->name()),
-                              view_args(array, offset));
+        return Placement{
+            std::move(ref_owner), py::str(view->segment->name()), offset, {}};
       }
     } else if (root && THPVariable_Check(root.ptr())) {
       const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
       const int64_t offset =
           address(array) -
           reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
-      return py::make_tuple(py::reinterpret_borrow<py::object>(root),
-                            py::none(), offset);
+      return Placement{
+          py::reinterpret_borrow<py::object>(root), py::none(), offset, {}};
     }
   }
   return copy_view(array, root, nearest);
 }
 
-py::tuple Plan::copy_view(py::handle array, py::handle root,
+Placement Plan::copy_view(py::handle array, py::handle root,
                           py::handle nearest) {
   PyArrayObject* a = as_array(array);
   auto [lo, hi] = byte_extent(array);
   const int64_t nbytes = PyArray_NBYTES(a);
-  if (hi - lo > sender.policy.sparse_ratio * nbytes)
-    return copy_compacted(array);
+  if (hi - lo > policy.sparse_ratio * nbytes) return copy_compacted(array);
   py::handle key = root && root.ptr() != Py_None ? root : nearest;
   auto found = roots_.find(key.ptr());
   if (found == roots_.end()) {
@@ -214,8 +204,7 @@ py::tuple Plan::copy_view(py::handle array, py::handle root,
   for (const Copy& c : entry.copies) {
     if (c.lo <= start + lo && start + hi <= c.hi) {
       count(kArraysResent);
-      return py::make_tuple(c.target.owner, c.target.name,
-                            view_args(array, c.at + start - c.lo));
+      return Placement{c.target.owner, c.target.name, c.at + start - c.lo, {}};
     }
   }
   // Copy the whole buffer when this view covers most of it, so that other
@@ -237,16 +226,16 @@ py::tuple Plan::copy_view(py::handle array, py::handle root,
   {
     // The caller's reference keeps `array` (and so `source`) alive.
     py::gil_scoped_release no_gil;
-    copy_bytes(target.data + at, src, n, sender.policy.copy_threads);
+    copy_bytes(target.data + at, src, n, policy.copy_threads);
   }
   count(kArraysShared);
   count(kBytesCopied, n);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
   const int64_t offset = at + address(array) - (start + lo);
-  return py::make_tuple(target.owner, target.name, view_args(array, offset));
+  return Placement{target.owner, target.name, offset, {}};
 }
 
-py::tuple Plan::copy_compacted(py::handle array) {
+Placement Plan::copy_compacted(py::handle array) {
   PyArrayObject* a = as_array(array);
   std::vector<npy_intp> strides = compact_strides(a);
   const int64_t nbytes = PyArray_NBYTES(a);
@@ -277,15 +266,17 @@ py::tuple Plan::copy_compacted(py::handle array) {
     throw py::error_already_set();
   count(kArraysShared);
   count(kBytesCopied, nbytes);
-  return py::make_tuple(target.owner, target.name,
-                        view_args(array, at, strides.data()));
+  return Placement{target.owner, target.name, at, std::move(strides)};
 }
 
 std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
-  const SenderPolicy& p = sender.policy;
+  const SenderPolicy& p = policy;
   auto allocate = [](int64_t n) {
-    TORCH_CHECK(sender.allocate != nullptr, "the sender is not configured");
-    py::object owner = py::reinterpret_borrow<py::object>(sender.allocate)(n);
+    py::object owner = take_pooled(n);
+    if (owner.is_none()) {
+      TORCH_CHECK(hooks.allocate != nullptr, "the sender is not configured");
+      owner = py::reinterpret_borrow<py::object>(hooks.allocate)(n);
+    }
     TORCH_CHECK(THPVariable_Check(owner.ptr()),
                 "expected allocate() to return a tensor, got ",
                 std::string(py::str(py::type::handle_of(owner))));
@@ -307,14 +298,6 @@ std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
   const int64_t at = chunk_used_;
   chunk_used_ = (at + nbytes + p.alignment - 1) / p.alignment * p.alignment;
   return {chunk_, at};
-}
-
-py::object ticket_for(const at::Tensor& tensor, uint64_t channel) {
-  View* view = view_of(tensor);
-  if (view == nullptr || view->segment->unlinked()) return py::none();
-  const uint64_t ticket = view->segment->issue_ticket(channel);
-  if (ticket == 0) count(kTicketsUnavailable);
-  return py::make_tuple(ticket, view->segment->generation());
 }
 
 }  // namespace torchshm

@@ -9,11 +9,14 @@
 #include <unordered_map>
 #include <vector>
 
+#include "numpy_api.h"
+#include "pool.h"
+
 namespace torchshm {
 
 // Note [Sender plan]
 // multiprocessing pickles each message with a fresh pickler; torchshm keeps
-// one Plan per message (torchshm/_message.py). Plan::place answers, for one
+// one Plan per message (Message, message.h). Plan::place answers, for one
 // array at or above the threshold:
 // 1. Where its memory lives: the base chain is walked here (root object,
 //    nearest ndarray). Memory already in a torchshm segment (received,
@@ -24,18 +27,23 @@ namespace torchshm {
 // 2. Whether this message already copied it: views of one buffer share one
 //    copy, so aliasing survives the trip.
 // 3. Where a copy goes: the message's chunk, or a segment of its own from
-//    PACK_LIMIT up. Segments come from Python's allocate (the pool and
-//    budget policy), called back only when a chunk is full.
+//    PACK_LIMIT up. Segments come from the pool without entering Python
+//    while the pool is armed (Note [Segment pool] in pool.h), else from
+//    Python's allocate (the pool's bookkeeping and the budget policy); both
+//    only when a chunk is full.
 // 4. The copy, with the GIL released (or a compacted copy of a sparse view).
 // Python keeps every policy number and pushes them in (configure_sender);
 // this code never reads the environment and never pickles. Tickets are not
-// taken here: the pickler issues one per reference it writes (_SegmentRef in
-// torchshm/_reduction.py, Note [Segment lifetime] in segment.h).
+// taken here: the pickler issues one per reference it writes (SegmentRef in
+// message.h, Note [Segment lifetime] in segment.h).
 
 struct SenderPolicy {
   // Arrays below this many bytes are reduced by numpy's own __reduce__ in
-  // fast_reduce, without entering Python: min(threshold, PACK_MIN).
+  // the native reducer, without entering Python: min(threshold, PACK_MIN).
   int64_t inline_below = 0;
+  // Arrays from this many bytes up are shared by the native reducer
+  // (message.h).
+  int64_t threshold = 0;
   int64_t sparse_ratio = 2;
   int64_t pack_limit = 16 << 20;
   int64_t chunk_start = 1 << 20;
@@ -44,22 +52,39 @@ struct SenderPolicy {
   int copy_threads = 1;
 };
 
-// Python's side of the sender: the policy reducer fast_reduce hands every
-// other array to, the allocate callable, and the numbers.
-void configure_sender(py::object policy_reducer, py::object allocate,
-                      const SenderPolicy& policy);
+// Python's side of the sender, pushed in by torchshm/_sender.py and
+// torchshm/_segments.py (strong references, never released: the policy lives
+// as long as the interpreter, and a reducer may run during its shutdown).
+struct SenderHooks {
+  PyObject* policy_reducer = nullptr;  // every array the native path leaves
+  PyObject* fall_back = nullptr;       // (array, exception) -> numpy's reduce
+  PyObject* allocate = nullptr;        // nbytes -> segment tensor (slow path)
+  std::shared_ptr<SegmentPool> pool;   // taken from directly while armed
+  PyObject* live = nullptr;  // _segments._live: name -> weak ref to a view
+};
 
-// The ForkingPickler reducer (a plain C function, so that pickle's C
-// implementation calls it with no Python frame in between).
-py::object fast_reducer();
+void configure_sender(py::object policy_reducer, py::object fall_back,
+                      py::object allocate, const SenderPolicy& policy);
+void configure_sender_pool(std::shared_ptr<SegmentPool> pool, py::object live);
+const SenderPolicy& sender_policy();
+const SenderHooks& sender_hooks();
+
+// Where one array goes: its owner (an int8 tensor over a whole segment, or
+// the root tensor of memory torchshm did not make), the segment's name (None
+// for the latter), its offset from the owner's storage, and the strides it
+// is rebuilt with (empty: its own).
+struct Placement {
+  py::object owner;
+  py::object name;
+  int64_t offset = 0;
+  std::vector<npy_intp> strides;
+};
 
 class Plan {
  public:
-  // (owner, name, view args) for an array in a segment, `name` being its
-  // segment's name and the view args rebuild_ndarray's after its owner; or
-  // (root tensor, None, offset into its storage) for memory a torch tensor
-  // owns that torchshm did not make (unless `copy` says: copy it anyway).
-  py::tuple place(py::handle array, bool copy);
+  // Places one array (see the Note); with `copy`, memory a torch tensor
+  // owns that torchshm did not make is copied too.
+  Placement place(py::handle array, bool copy);
 
  private:
   struct Target {
@@ -77,8 +102,8 @@ class Plan {
     std::vector<Copy> copies;
   };
 
-  py::tuple copy_view(py::handle array, py::handle root, py::handle nearest);
-  py::tuple copy_compacted(py::handle array);
+  Placement copy_view(py::handle array, py::handle root, py::handle nearest);
+  Placement copy_compacted(py::handle array);
   // A target and offset for nbytes: the chunk, or a segment of its own.
   std::pair<Target, int64_t> reserve(int64_t nbytes);
 
@@ -87,14 +112,16 @@ class Plan {
   int64_t chunk_used_ = 0;
 };
 
+// rebuild_ndarray's arguments after the owner: (offset, dtype, shape,
+// strides, writeable, subtype), with `first` in front when given. The one
+// place that decides how a dtype travels (see the definition).
+py::tuple view_args(py::handle array, int64_t offset,
+                    const std::vector<npy_intp>& strides = {},
+                    py::handle first = py::handle());
+
 // The tensor over the torchshm segment that holds an array's memory, or an
 // undefined tensor (see the definition: the one place a second source of
 // segment memory plugs in).
 at::Tensor lookup_segment_owner(py::handle root, py::handle nearest);
-
-// (ticket, generation) for one message naming the segment behind `tensor`,
-// written to pipe `channel`; ticket 0 when every slot is taken; None if the
-// segment is gone or the tensor is not over one.
-py::object ticket_for(const at::Tensor& tensor, uint64_t channel);
 
 }  // namespace torchshm

@@ -42,6 +42,7 @@ MULTIPROCESS_MODULES = {
     "test_limits",
     "test_multiprocess",
     "test_pandas_xarray",
+    "test_pool",
     "test_pools",
     "test_reuse",
 }

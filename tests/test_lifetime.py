@@ -369,7 +369,7 @@ def test_a_dead_receivers_slot_does_not_block_reuse():
     os.waitpid(pid, 0)
     gc.collect()
     before = torchshm.stats()
-    _segments._pool_segments._next_thorough_scan = 0  # due now (once a second)
+    _segments._pool_segments.schedule_thorough_scan()  # due once a second
     again = pickle.loads(dumps(np.full(50_000, 2.0)))
     assert (again == 2.0).all()
     assert delta(before, "segments_reused") == 1

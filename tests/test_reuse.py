@@ -10,7 +10,7 @@ import pytest
 import torchshm
 from tests import children
 from tests.conftest import TIMEOUT, session_segments
-from torchshm import _pool, _segments
+from torchshm import _segments
 
 
 def roundtrip(obj):
@@ -93,16 +93,17 @@ def test_idle_segments_are_released(monkeypatch):
     torchshm.trim()
     roundtrip(np.zeros(500_000))
     gc.collect()
+    pool = _segments._pool_segments.native
     idle = {
         name
-        for name, (segment, _) in _segments._pool_segments.segments.items()
-        if _pool._idle(segment)
+        for name in pool.names()
+        if pool.get(name).local_views == 0 and not pool.get(name).has_live_holder(0)
     }
     assert idle
     monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "0")
-    _segments._pool_segments._next_thorough_scan = 0  # the scan runs once a second
+    _segments._pool_segments.schedule_thorough_scan()  # it runs once a second
     roundtrip(np.zeros(5_000_000))  # too big to reuse them; releases expired ones
-    assert not idle & set(_segments._pool_segments.segments)
+    assert not idle & set(pool.names())
     assert not idle & {"/" + n for n in session_segments()}
 
 

@@ -218,6 +218,9 @@ def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
     def no_space(nbytes):
         raise torchshm._C.SharedMemoryError(errno.ENOSPC, "words that say nothing")
 
+    # Nothing idle in the pool, so the send must allocate (pooled segments are
+    # taken without calling allocate: Note [Segment pool]).
+    torchshm.trim()
     monkeypatch.setattr(_segments, "allocate", no_space)
     monkeypatch.setattr(_sender, "_warned", set())
     a = np.arange(100_000)
@@ -235,6 +238,9 @@ def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
     def broken(nbytes):
         raise RuntimeError("No space left on device")  # text must not matter
 
+    # Nothing idle in the pool, so the send must allocate (pooled segments are
+    # taken without calling allocate: Note [Segment pool]).
+    torchshm.trim()
     monkeypatch.setattr(_segments, "allocate", broken)
     monkeypatch.setattr(_sender, "_warned", set())
     a = np.arange(100_000)

@@ -11,7 +11,7 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT, stats_delta
-from torchshm import _C, _message, _reduction, _sender
+from torchshm import _C, _reduction, _sender
 
 SMALL = [
     np.arange(10),
@@ -157,20 +157,20 @@ def test_a_forked_child_counts_from_zero():
 
 def test_the_plan_answers_where_memory_lives():
     a = np.arange(100_000.0)
-    message = _message.Message()
-    owner, name, args = message.plan.place(a)
+    message = _C.Message()
+    owner, name, args = message.place(a)
     assert name.startswith("/torchshm_") and args[0] % _sender.ALIGNMENT == 0
     again = _reduction.rebuild_ndarray(owner, *args)
     np.testing.assert_array_equal(again, a)
     # Memory in a segment is named, not copied: a view of it, in a new message.
     view = again[5:]
-    owner2, name2, args2 = _message.Message().plan.place(view)
+    owner2, name2, args2 = _C.Message().place(view)
     assert name2 == name and args2[0] == args[0] + 5 * 8
     # A torch tensor's own memory is handed back to the policy.
     import torch
 
     t = torch.arange(10_000, dtype=torch.float64)
-    tensor, none, offset = _message.Message().plan.place(t.numpy()[3:])
+    tensor, none, offset = _C.Message().place(t.numpy()[3:])
     assert tensor.data_ptr() == t.data_ptr() and none is None and offset == 24
 
 
@@ -180,6 +180,9 @@ def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):
     def wrong(nbytes):
         return np.zeros(nbytes, np.uint8)  # not a tensor: a torchshm bug
 
+    # Nothing idle in the pool, so the send must allocate (pooled segments are
+    # taken without calling allocate: Note [Segment pool]).
+    torchshm.trim()
     monkeypatch.setattr(_segments, "allocate", wrong)
     monkeypatch.setattr(_sender, "_warned", set())
     a = np.arange(100_000)

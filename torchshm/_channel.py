@@ -7,13 +7,20 @@ Connection.send (Pipe, Pool's queues), SimpleQueue.put, and the feeder
 thread of Queue (`_feed`, which holds the writer's bound send_bytes). Only
 pipes are named: both ends of a pipe share one inode, which is what the
 reaper looks for in /proc/*/fd; a socket's two ends have two.
+
+The frames are walked natively when a segment reference is written
+(current_channel in csrc/message.cpp); which frames, and how each finds its
+Connection, is decided here and handed over by configure().
 """
 
 import os
 import stat
-import sys
 import threading
 from multiprocessing import connection, queues
+
+from torchshm._compat import load_native
+
+_C = load_native()
 
 
 def _feeder_writer(frame):
@@ -40,17 +47,9 @@ _WRITERS = {
 _MAX_DEPTH = 12
 
 
-def current():
-    """The inode of the pipe the message being pickled goes to, or 0."""
-    frame = sys._getframe(1)
-    for _ in range(_MAX_DEPTH):
-        if frame is None:
-            return 0
-        find = _WRITERS.get(frame.f_code)
-        if find is not None:
-            return _pipe_inode(find(frame))
-        frame = frame.f_back
-    return 0
+def _pipe_inode_of(find, frame):
+    """The inode of the pipe that `find` finds in a writer's frame, or 0."""
+    return _pipe_inode(find(frame))
 
 
 def _pipe_inode(conn):
@@ -59,3 +58,10 @@ def _pipe_inode(conn):
     except (AttributeError, OSError, ValueError):
         return 0
     return st.st_ino if stat.S_ISFIFO(st.st_mode) else 0
+
+
+def configure():
+    """Hands the writer frames to the native walk (at import of _reduction)."""
+    _C.configure_channel(
+        writers=_WRITERS, pipe_inode=_pipe_inode_of, max_depth=_MAX_DEPTH
+    )

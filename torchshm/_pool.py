@@ -4,11 +4,12 @@ Writing into fresh tmpfs pages runs at ~1.3 GB/s (page allocation and faults);
 into already-mapped pages at memcpy speed. So a sender keeps the segments it
 created and reuses one when no slot but its own names a live holder (see
 Note [Segment lifetime] in csrc/segment.h). The pool is capped; segments idle
-for pool_idle_seconds() are released. Only policy lives here: the caller
-(_segments.py) holds the lock and does the mapping.
+for pool_idle_seconds() are released. Only policy lives here; the index is
+native (csrc/pool.h, Note [Segment pool]), so that the sender's plan can take
+a pooled segment without entering Python. The caller (_segments.py) holds the
+lock for everything that comes through here.
 """
 
-import collections
 import time
 
 from torchshm import _config, _session
@@ -17,29 +18,9 @@ from torchshm._compat import load_native
 _C = load_native()
 
 # Sizes round up to 1/8 of their power of two: at most 12.5% of /dev/shm is
-# reserved in vain, and arrays of similar size share a class.
-_CLASS_STEPS = 8
-_MIN_CLASS = 64 << 10
-
-
-def size_class(nbytes):
-    if nbytes <= _MIN_CLASS:
-        return _MIN_CLASS
-    step = max(_MIN_CLASS, (1 << (nbytes - 1).bit_length()) // _CLASS_STEPS)
-    return -(-nbytes // step) * step
-
-
-def _quiet(segment):
-    """No local view and no slot but the pool's own (slot 0): cheap, no
-    system call. Dead holders' slots are cleared by the periodic scan."""
-    return segment.local_views == 0 and segment.holders == 1
-
-
-def _idle(segment):
-    """Nothing but the pool holds it; clears dead holders' slots on the way."""
-    return segment.local_views == 0 and not segment.has_live_holder(0)
-
-
+# reserved in vain, and arrays of similar size share a class. A take accepts
+# a class up to 25% larger than the one wanted.
+_CLASSES = dict(min_class=64 << 10, steps=8, max_waste=1.25)
 # Expired segments, and busy ones whose holders died, are looked for at most
 # this often: the scan is O(pool) and must stay off the per-message path.
 _THOROUGH_SCAN_SECONDS = 1.0
@@ -73,16 +54,30 @@ class SessionBudget:
 
 
 class Pool:
+    """The policy around the native index (csrc/pool.h, Note [Segment pool]):
+    what to admit, when to release, and when the sender's plan may take
+    without coming through here."""
+
     def __init__(self, budget=None):
-        self.segments = {}  # name -> [Segment, last use]
-        self.by_class = collections.defaultdict(list)  # capacity -> [entry]
-        self.nbytes = 0
+        self.native = _C.SegmentPool(**_CLASSES)
         self._next_thorough_scan = 0.0
+        self._fast = False  # whether the plan may take without Python
         self._budget = budget or SessionBudget()
         self._recorded = 0  # what the budget file says this pool holds
 
+    @property
+    def nbytes(self):
+        return self.native.nbytes
+
+    def __len__(self):
+        return len(self.native)
+
+    def size_class(self, nbytes):
+        return self.native.size_class(nbytes)
+
     def take(self, nbytes):
-        """An idle pooled segment that fits nbytes without much waste, or None.
+        """A view over an idle pooled segment that fits nbytes without much
+        waste, or None.
 
         Most calls look only at quiet segments (no system call). About once a
         second a thorough pass also asks whether the holders of busy ones
@@ -93,32 +88,36 @@ class Pool:
         if thorough:
             self._next_thorough_scan = now + _THOROUGH_SCAN_SECONDS
             self.release_idle(older_than=_config.pool_idle_seconds())
-        wanted = size_class(nbytes)
-        # The fitting classes: this one, then slightly larger (<= 25% waste).
-        for capacity in sorted(
-            c for c in self.by_class if wanted <= c <= wanted * 1.25
-        ):
-            for entry in self.by_class[capacity]:
-                segment = entry[0]
-                if (thorough or _quiet(segment)) and segment.reserve_for_reuse(0):
-                    entry[1] = now
-                    return segment
-        return None
+        owner = self.native.take(nbytes, thorough)
+        self._arm()
+        return owner
 
     def admit(self, segment):
-        """Keeps a new segment (and its slot 0) if the session's pools stay
-        within the cap: one budget for every process of the session."""
+        """A view over a new segment: pooled (slot 0 is the pool's) if the
+        session's pools stay within the cap, one budget for every process of
+        the session; else the view owns slot 0."""
         cap = _config.pool_bytes()
         if not self._fits(segment.capacity, cap):
             self.release_idle()
             if not self._fits(segment.capacity, cap):
-                return False
-        entry = [segment, time.monotonic()]
-        self.segments[segment.name] = entry
-        self.by_class[segment.capacity].append(entry)
-        self.nbytes += segment.capacity
+                return segment.tensor(0, _C.process_id()), False
+        owner = self.native.admit(segment)
         self._record()
-        return True
+        return owner, True
+
+    def schedule_thorough_scan(self):
+        """Makes the next take thorough (it is due once a second)."""
+        self._next_thorough_scan = 0.0
+        self._arm()
+
+    def enable_fast_take(self, enabled):
+        """Whether the sender's plan may take pooled segments without calling
+        allocate (only while the expiry timer runs: Note [Segment pool])."""
+        self._fast = enabled
+        self._arm()
+
+    def _arm(self):
+        self.native.fast_until = self._next_thorough_scan if self._fast else 0.0
 
     def _fits(self, nbytes, cap):
         """Whether `nbytes` more fit the session's budget. Records the claim
@@ -140,39 +139,22 @@ class Pool:
             self._recorded = self.nbytes
 
     def get(self, name):
-        entry = self.segments.get(name)
-        return entry[0] if entry else None
+        return self.native.get(name)
 
     def release_idle(self, older_than=0.0):
         """Drops idle segments unused for older_than seconds; returns bytes freed."""
-        now, freed = time.monotonic(), 0
-        for name, (segment, last) in list(self.segments.items()):
-            if now - last >= older_than and _idle(segment):
-                freed += self._drop(name)
+        freed = self.native.release_idle(older_than)
         self._record()
         return freed
 
     def release_all(self):
         """Releases the pool's slot of every segment (this process is exiting)."""
-        for name in list(self.segments):
-            self._drop(name)
+        self.native.release_all()
         self._record()
 
     def forget(self):
         """Forgets every segment without releasing (a forked child: the
         slots belong to the parent's pool)."""
-        self.segments.clear()
-        self.by_class.clear()
-        self.nbytes = 0
+        self.native.forget()
+        self._fast = False
         self._recorded = 0  # the parent's entry stays the parent's
-
-    def _drop(self, name):
-        entry = self.segments.pop(name)
-        segment = entry[0]
-        siblings = self.by_class[segment.capacity]
-        siblings.remove(entry)
-        if not siblings:
-            del self.by_class[segment.capacity]
-        self.nbytes -= segment.capacity
-        segment.release_slot(0, _C.process_id())
-        return segment.capacity

@@ -2,7 +2,9 @@
 
 The rebuild functions' module and names, and their arguments, are in every
 pickle torchshm ever wrote: never rename or move them. The policy that
-decides what to send is in _sender.py; a message's state in _message.py.
+decides what to send is in _sender.py; a message's state, and the segment
+references it writes, are native (csrc/message.h, Note [One message, one
+snapshot]), and are handed these functions by configure_wire below.
 """
 
 from typing import Any, Optional, Tuple
@@ -51,14 +53,14 @@ def message_token():
 
 
 def attach_segment(name, ticket=0, generation=0):
-    """Unpickles a _SegmentRef: maps the segment and claims the message's
-    ticket (once per message; see Note [Segment lifetime])."""
+    """Unpickles a SegmentRef (csrc/message.h): maps the segment and claims
+    the message's ticket (once per message; see Note [Segment lifetime])."""
     return _segments.attach(name, ticket, generation)
 
 
 class _MessageToken:
     """Keeps a message's state alive through arrays pickled inline (the
-    pickler's memo holds it, as it holds _SegmentRefs)."""
+    pickler's memo holds it, as it holds SegmentRefs)."""
 
     __slots__ = ("message", "__weakref__")
 
@@ -69,35 +71,20 @@ class _MessageToken:
         return message_token, ()
 
 
-class _SegmentRef:
-    """A segment named by one message. The message's ticket is issued when
-    the pickler writes it, so every byte string that names the segment has a
-    ticket of its own, even when a nested dumps on this thread shares this
-    object with an outer message."""
-
-    __slots__ = ("owner", "name", "message", "__weakref__")
-
-    def __init__(self, owner, name, message):
-        self.owner, self.name, self.message = owner, name, message
-
-    def __reduce__(self):
-        try:
-            held = _C.ticket_for(self.owner, _channel.current())
-        except Exception:  # noqa: BLE001 - raising here loses the message
-            held = None
-        # No ticket (every slot taken): the receiver holds the segment for as
-        # long as its generation is unchanged; our view keeps it so until the
-        # message is written.
-        ticket, generation = held or (0, _C.segment_of(self.owner).generation)
-        return attach_segment, (self.name, ticket, generation)
-
-
 def reference_without_ticket(obj: Any) -> Optional[Tuple[Any, Any]]:
     """For picklers whose bytes are loaded many times (torchshm.dumps): if
     `obj` is a segment reference, (a tensor over its segment, what to write
     instead: the same reference without a ticket, valid while the segment
     keeps its generation); else None."""
-    if type(obj) is not _SegmentRef:
+    if type(obj) is not _C.SegmentRef:
         return None
     generation = _C.segment_of(obj.owner).generation
     return obj.owner, (attach_segment, (obj.name, 0, generation))
+
+
+_C.configure_wire(
+    rebuild_ndarray=rebuild_ndarray,
+    attach_segment=attach_segment,
+    message_token=_MessageToken,
+)
+_channel.configure()

@@ -30,6 +30,9 @@ _live = {}
 # Mappings without live views, kept for reuse: name -> Segment, oldest first.
 _idle_mappings = collections.OrderedDict()
 _idle_bytes = 0
+# The sender's plan takes pooled segments itself while the pool is armed
+# (Note [Segment pool] in csrc/pool.h), and records their views in _live.
+_C.configure_sender_pool(pool=_pool_segments.native, live=_live)
 
 
 def allocate(nbytes):
@@ -43,17 +46,15 @@ def allocate_block(nbytes):
     segment's bytes are zero, a reused one's are not)."""
     with _lock:
         _expiry.resume()
-        segment = _pool_segments.take(nbytes)
-        fresh = segment is None
+        owner = _pool_segments.take(nbytes)
+        fresh = owner is None
         if fresh:
-            segment = _create(_pool.size_class(nbytes))
-            pooled = _pool_segments.admit(segment)
+            segment = _create(_pool_segments.size_class(nbytes))
+            owner, pooled = _pool_segments.admit(segment)
         else:
             pooled = True
             _stats.add("segments_reused")
-        # Slot 0 is the creator's: the pool's if pooled, else this view's.
-        owner = segment.tensor(-1 if pooled else 0, _C.process_id())
-        _live[segment.name] = weakref.ref(owner)
+        _live[segment_name(owner)] = weakref.ref(owner)
         if pooled:
             _expiry.ensure()
     return owner, not fresh
@@ -122,6 +123,10 @@ def name_of(tensor):
     """The segment behind a tensor, or None if it is not torchshm memory."""
     segment = _C.segment_of(tensor)
     return None if segment is None else segment.name
+
+
+def segment_name(owner):
+    return _C.segment_of(owner).name
 
 
 def trim() -> int:
@@ -233,8 +238,12 @@ class _Expiry:
                 target=self._run, name="torchshm-expiry", daemon=True
             )
             self._thread.start()
+        # The plan may take pooled segments without allocate's bookkeeping
+        # (resume() above) only while this timer runs.
+        _pool_segments.enable_fast_take(True)
 
     def halt(self):
+        _pool_segments.enable_fast_take(False)
         thread = self._thread
         if thread is not None:
             self._stop.set()
@@ -242,7 +251,7 @@ class _Expiry:
             self._thread = None
 
     def needed(self):
-        return bool(_pool_segments.segments or _idle_mappings)
+        return bool(len(_pool_segments) or _idle_mappings)
 
     def resume(self):
         """Restarts the timer after a fork stopped it (call with _lock held)."""
@@ -258,6 +267,7 @@ class _Expiry:
                 _pool_segments.release_idle(older_than=idle)
                 _drop_idle_mappings(_config.mapping_cache_bytes())
                 if not self.needed():
+                    _pool_segments.enable_fast_take(False)
                     self._thread = None
                     return
 

@@ -1,12 +1,13 @@
 """The sender's policy: which ndarrays go through shared memory, and what
 happens when one cannot.
 
-The registered ForkingPickler reducer is native (`REDUCER`, csrc/plan.cpp):
-below min(threshold, PACK_MIN) it returns numpy's own reduce without entering
-Python; every other array comes to `reduce_ndarray` here, which decides and
-asks the message's Plan (one native call) where the array lives and where
-its copy goes. The numbers below, and the threshold, are pushed into the
-native side by `configure()` whenever they change.
+The registered ForkingPickler reducer is native (`REDUCER`,
+csrc/message.cpp): below min(threshold, PACK_MIN) it returns numpy's own
+reduce, and from the threshold up it shares the array through the thread's
+message, both without entering Python. Every other array (packed, empty,
+object dtype, over torch memory) comes to `reduce_ndarray` here, and so does
+every failure, to `fall_back`. The numbers below, and the threshold, are
+pushed into the native side by `configure()` whenever they change.
 """
 
 import errno
@@ -18,12 +19,11 @@ import numpy as np
 import torch
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _message, _segments, _stats
+from torchshm import _config, _segments, _stats
 from torchshm._compat import load_native, untyped_storage
 from torchshm._reduction import (
     rebuild_empty,
     rebuild_inline,
-    rebuild_ndarray,
     rebuild_ndarray_from_reduced_storage,
 )
 
@@ -46,26 +46,32 @@ PACK_MIN = 16 << 10
 CHUNK_START = 1 << 20
 CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
-_NPY_USERDEF = 256
 
 
 def reduce_ndarray(array):
-    """ForkingPickler reducer. Never raises: any failure pickles by value.
-
-    Failures that mean "shared memory cannot take this now" (a full /dev/shm,
-    no fds left...) fall back with one warning per reason; anything else is a
-    torchshm bug, which still falls back (a reducer that raises in a Queue's
-    feeder thread loses the message) but says so."""
+    """ForkingPickler reducer for what the native one leaves. Never raises:
+    any failure pickles by value (see fall_back)."""
     try:
         return _reduce_through_shared_memory(array) or array.__reduce__()
-    except _C.SharedMemoryError as exc:
+    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+        return fall_back(array, exc)
+
+
+def fall_back(array, exc):
+    """numpy's own reduce of an array that shared memory could not take.
+
+    Failures that mean "shared memory cannot take this now" (a full /dev/shm,
+    no fds left...) warn once per reason; anything else is a torchshm bug,
+    which still falls back (a reducer that raises in a Queue's feeder thread
+    loses the message) but says so."""
+    if isinstance(exc, _C.SharedMemoryError):
         reason = _FALLBACK_REASONS.get(exc.errno)
         if reason is None:
             reason = f"shared-memory error: {errno.errorcode.get(exc.errno, exc.errno)}"
         _warn_once(
             f"torchshm: could not share an array ({exc}); pickling it by value", reason
         )
-    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+    else:
         reason = f"internal error: {type(exc).__name__}"
         _warn_once(
             f"torchshm: unexpected {type(exc).__name__} while sharing an array"
@@ -103,8 +109,10 @@ def configure(threshold=None):
         threshold = _config.get_threshold()
     _C.configure_sender(
         policy_reducer=reduce_ndarray,
+        fall_back=fall_back,
         allocate=_allocate,
         inline_below=min(threshold, PACK_MIN),
+        threshold=threshold,
         sparse_ratio=SPARSE_RATIO,
         pack_limit=PACK_LIMIT,
         chunk_start=CHUNK_START,
@@ -128,11 +136,11 @@ def _reduce_through_shared_memory(array):
         return None
     if array.size == 0:
         _stats.add("arrays_inline")
-        return rebuild_empty, _view_args(array, 0)
+        return rebuild_empty, _C.view_args(array, 0)
     threshold = _config.get_threshold()
     if array.nbytes < threshold:
         return _reduce_small(array, threshold)
-    return _share(array, _message.current())
+    return _share(array, _C.current_message())
 
 
 def _reduce_small(array, threshold):
@@ -140,7 +148,7 @@ def _reduce_small(array, threshold):
     if array.nbytes < PACK_MIN:
         _stats.add("arrays_inline")
         return None
-    message = _message.current()
+    message = _C.current_message()
     if message.small_bytes >= threshold:
         return _share(array, message)
     message.small_bytes += array.nbytes
@@ -151,13 +159,10 @@ def _reduce_small(array, threshold):
 def _share(array, message):
     """By reference if the memory is shared already, else a snapshot (the
     native plan decides which, and copies)."""
-    owner, name, args = message.plan.place(array, False)
-    if name is None:
-        return _over_torch_storage(array, owner, args, message)
-    return rebuild_ndarray, (message.ref(owner, name), *args)
+    return message.share(array) or _over_torch_storage(array, message)
 
 
-def _over_torch_storage(array, tensor, offset, message):
+def _over_torch_storage(array, message):
     """An array over a torch tensor's memory that torchshm did not make.
 
     Under file_descriptor (torch's default) the receiver fetches an fd from
@@ -165,6 +170,7 @@ def _over_torch_storage(array, tensor, offset, message):
     receiver unpickles loses the message, and a consumer under a low
     `ulimit -n` runs out. Only file_system has neither flaw; otherwise the
     array is snapshotted like any other."""
+    tensor, _, offset = message.place(array)
     storage = untyped_storage(tensor)
     if storage.is_shared() and sharing_strategy() == "file_system":
         # torch's own storage reducer, called here so that its failures stay
@@ -176,34 +182,8 @@ def _over_torch_storage(array, tensor, offset, message):
         return rebuild_ndarray_from_reduced_storage, (
             rebuild_storage,
             storage_args,
-        ) + _view_args(array, offset)
-    owner, name, args = message.plan.place(array, True)
-    return rebuild_ndarray, (message.ref(owner, name), *args)
-
-
-def _view_args(array, offset):
-    """rebuild_ndarray's arguments after the owner (the native plan builds
-    the same for the arrays it places)."""
-    dtype = array.dtype
-    # A builtin dtype's .str round-trips it exactly unless it has fields, a
-    # sub-array or metadata; a str pickles in a fraction of the time a dtype
-    # object does. User-registered dtypes (num >= NPY_USERDEF, 256) and
-    # new-style ones (num -1) have a .str that names only their bytes.
-    if (
-        0 <= dtype.num < _NPY_USERDEF
-        and dtype.fields is None
-        and dtype.subdtype is None
-        and dtype.metadata is None
-    ):
-        dtype = dtype.str
-    return (
-        offset,
-        dtype,
-        array.shape,
-        array.strides,
-        array.flags.writeable,
-        None if type(array) is np.ndarray else type(array),
-    )
+        ) + _C.view_args(array, offset)
+    return message.share(array, copy=True)
 
 
 def _owner_of(array):

@@ -1,0 +1,244 @@
+#include "message.h"
+
+#include <frameobject.h>
+
+#include <utility>
+
+#include "errors.h"
+#include "numpy_api.h"
+#include "segment.h"
+#include "stats.h"
+
+namespace torchshm {
+namespace {
+
+// Strong references, never released (as SenderHooks in plan.h).
+struct Wire {
+  PyObject* rebuild_ndarray = nullptr;
+  PyObject* attach_segment = nullptr;
+  PyObject* message_token = nullptr;
+  PyObject* reduce_name = nullptr;  // "__reduce__", interned
+};
+Wire wire;
+
+struct Channel {
+  PyObject* writers = nullptr;     // code object -> finder(frame)
+  PyObject* pipe_inode = nullptr;  // (finder, frame) -> inode or 0
+  int max_depth = 0;               // a pickler's reduce runs a few frames below
+};
+Channel channel;
+
+// The object a weak reference points to, or None.
+py::object deref(const py::object& weak) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  if (PyWeakref_GetRef(weak.ptr(), &obj) < 0) throw py::error_already_set();
+  return obj ? py::reinterpret_steal<py::object>(obj) : py::none();
+#else
+  return py::reinterpret_borrow<py::object>(PyWeakref_GetObject(weak.ptr()));
+#endif
+}
+
+py::object weak_ref(const py::object& obj) {
+  PyObject* weak = PyWeakref_NewRef(obj.ptr(), nullptr);
+  if (weak == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(weak);
+}
+
+Message& as_message(py::handle self) { return self.cast<Message&>(); }
+
+py::object share_with(Message& m, py::handle self, py::handle array,
+                      bool copy) {
+  Placement placed = m.plan.place(array, copy);
+  if (placed.name.is_none()) return py::none();
+  py::object ref =
+      Message::ref(self, std::move(placed.owner), std::move(placed.name));
+  return py::make_tuple(py::handle(wire.rebuild_ndarray),
+                        view_args(array, placed.offset, placed.strides, ref));
+}
+
+}  // namespace
+
+py::object Message::share(py::handle self, py::handle array, bool copy) {
+  return share_with(as_message(self), self, array, copy);
+}
+
+py::object Message::ref(py::handle self, py::object owner, py::object name) {
+  Message& m = as_message(self);
+  std::string key = name.cast<std::string>();
+  auto found = m.refs_.find(key);
+  if (found != m.refs_.end()) {
+    py::object ref = deref(found->second);
+    if (!ref.is_none()) return ref;
+  }
+  py::object ref =
+      py::cast(new SegmentRef{std::move(owner), std::move(name),
+                              py::reinterpret_borrow<py::object>(self)},
+               py::return_value_policy::take_ownership);
+  m.refs_[std::move(key)] = weak_ref(ref);
+  return ref;
+}
+
+py::object Message::token(py::handle self) {
+  Message& m = as_message(self);
+  if (m.token_) {
+    py::object token = deref(m.token_);
+    if (!token.is_none()) return token;
+  }
+  TORCH_CHECK(wire.message_token != nullptr, "the wire is not configured");
+  py::object token = py::reinterpret_borrow<py::object>(wire.message_token)(
+      py::reinterpret_borrow<py::object>(self));
+  m.token_ = weak_ref(token);
+  return token;
+}
+
+py::tuple SegmentRef::reduce() const {
+  View* view = view_of(THPVariable_Unpack(owner.ptr()));
+  TORCH_CHECK(view != nullptr, "a segment reference without its segment");
+  uint64_t channel_inode = 0;
+  try {
+    channel_inode = current_channel();
+  } catch (const py::error_already_set&) {
+    // An unknown pipe only keeps the ticket alive longer (until the session
+    // ends); raising here would lose the message.
+  }
+  uint64_t ticket = 0;
+  if (!view->segment->unlinked()) {
+    ticket = view->segment->issue_ticket(channel_inode);
+    // No ticket (every slot taken): the receiver holds the segment for as
+    // long as its generation is unchanged; our view keeps it so until the
+    // message is written.
+    if (ticket == 0) count(kTicketsUnavailable);
+  }
+  return py::make_tuple(
+      py::handle(wire.attach_segment),
+      py::make_tuple(name, ticket, view->segment->generation()));
+}
+
+py::object current_message() {
+  static PyObject* key = PyUnicode_InternFromString("torchshm.message");
+  PyObject* state = PyThreadState_GetDict();  // borrowed
+  if (state == nullptr) throw std::runtime_error("no Python thread state");
+  PyObject* weak = PyDict_GetItemWithError(state, key);  // borrowed
+  if (weak != nullptr) {
+    py::object message = deref(py::reinterpret_borrow<py::object>(weak));
+    if (!message.is_none()) return message;
+  } else if (PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  py::object message =
+      py::cast(new Message(), py::return_value_policy::take_ownership);
+  if (PyDict_SetItem(state, key, weak_ref(message).ptr()) != 0)
+    throw py::error_already_set();
+  return message;
+}
+
+uint64_t current_channel() {
+  if (channel.writers == nullptr) return 0;
+  PyFrameObject* top = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(top);
+  py::object frame =
+      py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(top));
+  for (int depth = 0; frame && depth < channel.max_depth; ++depth) {
+    auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
+    py::object code = py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
+    PyObject* find = PyDict_GetItemWithError(channel.writers, code.ptr());
+    if (find != nullptr)
+      return py::reinterpret_borrow<py::object>(channel.pipe_inode)(
+                 py::handle(find), frame)
+          .cast<uint64_t>();
+    if (PyErr_Occurred()) throw py::error_already_set();
+    frame = py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(PyFrame_GetBack(f)));
+  }
+  return 0;
+}
+
+void configure_wire(py::object rebuild_ndarray, py::object attach_segment,
+                    py::object message_token) {
+  Py_XSETREF(wire.rebuild_ndarray, rebuild_ndarray.release().ptr());
+  Py_XSETREF(wire.attach_segment, attach_segment.release().ptr());
+  Py_XSETREF(wire.message_token, message_token.release().ptr());
+  if (wire.reduce_name == nullptr)
+    wire.reduce_name = PyUnicode_InternFromString("__reduce__");
+}
+
+void configure_channel(py::object writers, py::object pipe_inode,
+                       int max_depth) {
+  TORCH_CHECK(PyDict_Check(writers.ptr()), "expected a dict of writers");
+  Py_XSETREF(channel.writers, writers.release().ptr());
+  Py_XSETREF(channel.pipe_inode, pipe_inode.release().ptr());
+  channel.max_depth = max_depth;
+}
+
+namespace {
+
+// An array at or above the threshold, through the thread's message. Never
+// raises an Exception: a failure goes to Python's fall_back (a reducer that
+// raises in a Queue's feeder thread loses the message).
+PyObject* share_natively(PyObject* obj) {
+  const SenderHooks& hooks = sender_hooks();
+  try {
+    py::object message = current_message();
+    py::object reduced = share_with(as_message(message), message, obj, false);
+    if (!reduced.is_none()) return reduced.release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != nullptr) PyException_SetTraceback(value, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    PyObject* out =
+        PyObject_CallFunctionObjArgs(hooks.fall_back, obj, value, nullptr);
+    Py_XDECREF(value);
+    return out;
+  }
+  // Memory a torch tensor owns that torchshm did not make: Python decides.
+  return PyObject_CallOneArg(hooks.policy_reducer, obj);
+}
+
+// Small non-object arrays: numpy's own reduce, counted as inline. Arrays at
+// or above the threshold: shared without entering Python. Every other array
+// (packed, empty, object dtype, over torch memory) goes to Python's policy
+// reducer, which never raises (torchshm/_sender.py: reduce_ndarray).
+PyObject* fast_reduce(PyObject* /*self*/, PyObject* obj) {
+  const SenderHooks& hooks = sender_hooks();
+  if (hooks.policy_reducer == nullptr || wire.rebuild_ndarray == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "torchshm: the sender is not configured (import torchshm)");
+    return nullptr;
+  }
+  if (PyArray_Check(obj)) {
+    auto* a = reinterpret_cast<PyArrayObject*>(obj);
+    if (!PyDataType_REFCHK(PyArray_DESCR(a)) && PyArray_SIZE(a) > 0) {
+      const SenderPolicy& policy = sender_policy();
+      const int64_t nbytes = PyArray_NBYTES(a);
+      if (nbytes < policy.inline_below) {
+        count(kArraysInline);
+        return PyObject_CallMethodNoArgs(obj, wire.reduce_name);
+      }
+      if (nbytes >= policy.threshold) return share_natively(obj);
+    }
+  }
+  return PyObject_CallOneArg(hooks.policy_reducer, obj);
+}
+
+PyMethodDef fast_reduce_def = {
+    "reduce_ndarray", fast_reduce, METH_O,
+    "torchshm's ForkingPickler reducer for ndarrays: below the inline bound "
+    "numpy's own reduce, from the threshold up shared natively, else "
+    "torchshm._sender.reduce_ndarray."};
+
+}  // namespace
+
+py::object fast_reducer() {
+  PyObject* fn = PyCFunction_NewEx(&fast_reduce_def, nullptr, nullptr);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+}  // namespace torchshm

@@ -1,0 +1,119 @@
+#include "pool.h"
+
+#include <time.h>
+
+#include "identity.h"
+
+namespace torchshm {
+
+double monotonic_seconds() {
+  struct timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) +
+         1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+namespace {
+
+// No local view and no slot but the pool's own (slot 0): no system call.
+bool quiet(const Segment& segment) {
+  return segment.local_views() == 0 && segment.holders() == 1;
+}
+
+// Nothing but the pool holds it; clears dead holders' slots on the way.
+bool idle(Segment& segment) {
+  return segment.local_views() == 0 && !segment.has_live_holder(0);
+}
+
+}  // namespace
+
+int64_t SegmentPool::size_class(int64_t nbytes) const {
+  if (nbytes <= classes_.min_class) return classes_.min_class;
+  const int bits = 64 - __builtin_clzll(static_cast<uint64_t>(nbytes - 1));
+  const int64_t step =
+      std::max(classes_.min_class, (int64_t{1} << bits) / classes_.steps);
+  return (nbytes + step - 1) / step * step;
+}
+
+at::Tensor SegmentPool::take(int64_t nbytes, bool thorough) {
+  const int64_t wanted = size_class(nbytes);
+  const double largest = static_cast<double>(wanted) * classes_.max_waste;
+  for (auto it = by_class_.lower_bound(wanted);
+       it != by_class_.end() && static_cast<double>(it->first) <= largest;
+       ++it) {
+    for (Entry& entry : it->second) {
+      Segment& segment = *entry.segment;
+      if ((thorough || quiet(segment)) && segment.reserve_for_reuse(0)) {
+        entry.last_use = monotonic_seconds();
+        return view_tensor(entry.segment, -1, self_id());
+      }
+    }
+  }
+  return at::Tensor();
+}
+
+at::Tensor SegmentPool::admit(std::shared_ptr<Segment> segment) {
+  TORCH_CHECK(get(segment->name()) == nullptr, "segment ", segment->name(),
+              " is pooled already");
+  nbytes_ += segment->capacity();
+  by_class_[segment->capacity()].push_back(Entry{segment, monotonic_seconds()});
+  return view_tensor(std::move(segment), -1, self_id());
+}
+
+std::shared_ptr<Segment> SegmentPool::get(const std::string& name) const {
+  for (const auto& [capacity, entries] : by_class_)
+    for (const Entry& entry : entries)
+      if (entry.segment->name() == name) return entry.segment;
+  return nullptr;
+}
+
+int64_t SegmentPool::drop(std::vector<Entry>& entries, size_t index) {
+  std::shared_ptr<Segment> segment = std::move(entries[index].segment);
+  entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(index));
+  nbytes_ -= segment->capacity();
+  segment->release_slot(0, self_id());
+  return segment->capacity();
+}
+
+int64_t SegmentPool::release_idle(double older_than) {
+  const double now = monotonic_seconds();
+  int64_t freed = 0;
+  for (auto it = by_class_.begin(); it != by_class_.end();) {
+    auto& entries = it->second;
+    for (size_t i = 0; i < entries.size();) {
+      if (now - entries[i].last_use >= older_than && idle(*entries[i].segment))
+        freed += drop(entries, i);
+      else
+        ++i;
+    }
+    it = entries.empty() ? by_class_.erase(it) : std::next(it);
+  }
+  return freed;
+}
+
+void SegmentPool::release_all() {
+  for (auto& [capacity, entries] : by_class_)
+    while (!entries.empty()) drop(entries, entries.size() - 1);
+  by_class_.clear();
+}
+
+void SegmentPool::forget() {
+  by_class_.clear();
+  nbytes_ = 0;
+  fast_until = 0;
+}
+
+size_t SegmentPool::size() const {
+  size_t n = 0;
+  for (const auto& [capacity, entries] : by_class_) n += entries.size();
+  return n;
+}
+
+std::vector<std::string> SegmentPool::names() const {
+  std::vector<std::string> out;
+  for (const auto& [capacity, entries] : by_class_)
+    for (const Entry& entry : entries) out.push_back(entry.segment->name());
+  return out;
+}
+
+}  // namespace torchshm
