@@ -231,7 +231,7 @@ def _drain(queue, done):
         done.put(True)
 
 
-def below_threshold(rounds=7):
+def below_threshold(rounds=21):
     """Ratios torchshm / plain pickling through a Queue, in one run."""
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
