@@ -220,6 +220,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("owner", &torchshm::SegmentRef::owner)
       .def_readonly("name", &torchshm::SegmentRef::name)
       .def("__reduce__", &torchshm::SegmentRef::reduce);
+  m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
   m.def("current_message", &torchshm::current_message);
   m.def("current_channel", &torchshm::current_channel);
   m.def(

@@ -142,10 +142,7 @@ at::Tensor lookup_segment_owner(py::handle root, py::handle nearest) {
   return at::Tensor();
 }
 
-Placement Plan::place(py::handle array, bool copy) {
-  TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
-              std::string(py::str(py::type::handle_of(array))));
-  // The base chain: the object owning the memory, the ndarray nearest to it.
+std::pair<py::handle, py::handle> base_chain(py::handle array) {
   py::handle nearest = array;
   py::handle root(reinterpret_cast<PyObject*>(PyArray_BASE(as_array(array))));
   while (root && PyArray_Check(root.ptr())) {
@@ -153,6 +150,23 @@ Placement Plan::place(py::handle array, bool copy) {
     root =
         py::handle(reinterpret_cast<PyObject*>(PyArray_BASE(as_array(root))));
   }
+  return {root, nearest};
+}
+
+py::object memory_owner(py::handle array) {
+  TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
+              std::string(py::str(py::type::handle_of(array))));
+  auto [root, nearest] = base_chain(array);
+  if (root && THPVariable_Check(root.ptr()))
+    return py::reinterpret_borrow<py::object>(root);
+  const at::Tensor owner = lookup_segment_owner(root, nearest);
+  return owner.defined() ? py::cast(owner) : py::none();
+}
+
+Placement Plan::place(py::handle array, bool copy) {
+  TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
+              std::string(py::str(py::type::handle_of(array))));
+  auto [root, nearest] = base_chain(array);
   if (!copy) {
     const at::Tensor owner = lookup_segment_owner(root, nearest);
     if (owner.defined()) {

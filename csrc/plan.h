@@ -119,6 +119,15 @@ py::tuple view_args(py::handle array, int64_t offset,
                     const std::vector<npy_intp>& strides = {},
                     py::handle first = py::handle());
 
+// The end of an array's base chain: (the object owning its memory, or null;
+// the ndarray nearest to it).
+std::pair<py::handle, py::handle> base_chain(py::handle array);
+
+// The tensor owning an array's memory, or None: its torchshm segment's view
+// (received, shared or born there) or the root torch tensor of memory
+// torchshm did not make (torchshm.is_shared asks).
+py::object memory_owner(py::handle array);
+
 // The tensor over the torchshm segment that holds an array's memory, or an
 // undefined tensor (see the definition: the one place a second source of
 // segment memory plugs in).

@@ -34,7 +34,7 @@ def dumps(obj):
 
 
 def segment(array):
-    return _C.segment_of(torchshm._sender._root_of(array)[0])
+    return _C.segment_of(_C.memory_owner(array))
 
 
 def segment_named_in(data):

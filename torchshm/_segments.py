@@ -1,10 +1,12 @@
 """The allocation seam: where shared memory comes from and how receivers map it.
 
-Every segment torchshm creates or maps goes through `allocate` and `attach`.
-A sender's segments come from its pool (_pool.py) and are reused once idle; a
-receiver keeps the mappings of segments whose arrays it dropped, so that a
-segment the sender reuses is not faulted in again. See Note [Segment
-lifetime] in csrc/segment.h for the holder protocol.
+Every segment torchshm creates or maps goes through `allocate` and `attach`,
+with one exception: the sender's plan takes idle pooled segments itself while
+the pool is armed, and records them in _live as allocate does (Note [Segment
+pool] in csrc/pool.h). A sender's segments come from its pool (_pool.py) and
+are reused once idle; a receiver keeps the mappings of segments whose arrays
+it dropped, so that a segment the sender reuses is not faulted in again. See
+Note [Segment lifetime] in csrc/segment.h for the holder protocol.
 """
 
 import collections

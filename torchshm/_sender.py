@@ -16,7 +16,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
-import torch
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
 from torchshm import _config, _segments, _stats
@@ -124,8 +123,8 @@ def configure(threshold=None):
 
 def is_shared(array: Any) -> bool:
     """Whether the array's memory is torch shared memory (sent without a copy)."""
-    owner = _owner_of(array) if isinstance(array, np.ndarray) else None
-    return isinstance(owner, torch.Tensor) and (
+    owner = _C.memory_owner(array) if isinstance(array, np.ndarray) else None
+    return owner is not None and (
         _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()
     )
 
@@ -184,23 +183,6 @@ def _over_torch_storage(array, message):
             storage_args,
         ) + _C.view_args(array, offset)
     return message.share(array, copy=True)
-
-
-def _owner_of(array):
-    """What owns the array's memory: a tensor for shared memory (received,
-    shared, or born in a segment: Note [Born shared] in csrc/allocator.h)."""
-    root, nearest = _root_of(array)
-    if root is None:
-        return _C.born_owner(_C.data_address(nearest))
-    return root
-
-
-def _root_of(array):
-    """(the object owning the array's memory, the ndarray nearest to it)."""
-    nearest, base = array, array.base
-    while isinstance(base, np.ndarray):
-        nearest, base = base, base.base
-    return base, nearest
 
 
 _warned = set()
