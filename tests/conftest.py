@@ -6,6 +6,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -230,6 +231,34 @@ def bounded(fn, *args, timeout=TIMEOUT):
     done.start()
     done.join(timeout)
     assert not done.is_alive(), f"{fn} did not return within {timeout} s"
+
+
+def true_in_forked_child(check, timeout=TIMEOUT):
+    """Whether `check()` returns true in a child made by a bare os.fork (no
+    multiprocessing bootstrap); the child must exit within `timeout`."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(w, b"1" if check() else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert select.select([r], [], [], timeout)[0], "the child did not answer"
+        answer = os.read(r, 1)
+    finally:
+        os.close(r)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+            time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return answer == b"1"
 
 
 def run_script(tmp_path, source, *args):

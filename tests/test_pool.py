@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import torchshm
-from tests.conftest import stats_delta
+from tests.conftest import stats_delta, true_in_forked_child
 from torchshm import _C, _pool, _segments
 
 KIB = 1 << 10
@@ -148,24 +148,13 @@ def test_bookkeeping_that_is_due_goes_through_python(monkeypatch):
 def test_the_pool_is_disarmed_across_fork():
     a = np.arange(100_000.0)
     ForkingPickler.loads(ForkingPickler.dumps(a))
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            native = _segments._pool_segments.native
-            ok = native.fast_until == 0 and len(native) == 0
-            again = ForkingPickler.loads(ForkingPickler.dumps(a))
-            ok = ok and (again == a).all()
-            os.write(w, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"1"
-    finally:
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def disarmed_and_right():
+        native = _segments._pool_segments.native
+        ok = native.fast_until == 0 and len(native) == 0
+        return ok and (ForkingPickler.loads(ForkingPickler.dumps(a)) == a).all()
+
+    assert true_in_forked_child(disarmed_and_right)
     # The parent's timer stopped for the fork: its next send re-arms through
     # Python, and keeps the data right.
     assert _segments._pool_segments.native.fast_until == 0

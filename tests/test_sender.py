@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import torchshm
-from tests.conftest import TIMEOUT, stats_delta
+from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
 from torchshm import _C, _reduction, _sender
 
 SMALL = [
@@ -137,22 +137,12 @@ def test_reset_stats_zeroes_the_native_counters():
 def test_a_forked_child_counts_from_zero():
     pickle.loads(ForkingPickler.dumps(np.arange(100_000)))
     assert torchshm.stats()["arrays_received"] > 0
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            counts = torchshm.stats()
-            ok = all(counts[k] == 0 for k in counts if k != "fallbacks")
-            os.write(w, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"1"
-    finally:
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def counts_are_zero():
+        counts = torchshm.stats()
+        return all(counts[k] == 0 for k in counts if k != "fallbacks")
+
+    assert true_in_forked_child(counts_are_zero)
 
 
 def test_the_plan_answers_where_memory_lives():
