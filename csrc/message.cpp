@@ -95,19 +95,22 @@ py::object Message::token(py::handle self) {
 py::tuple SegmentRef::reduce() const {
   View* view = view_of(THPVariable_Unpack(owner.ptr()));
   TORCH_CHECK(view != nullptr, "a segment reference without its segment");
+  // Raising here would lose the message, so neither lookup may: an unknown
+  // pipe only keeps the ticket alive longer (until the session ends), and no
+  // ticket means the receiver loads as a second load does (Note [Segment
+  // lifetime]), while our view keeps the segment until the message is
+  // written.
   uint64_t channel_inode = 0;
   try {
     channel_inode = current_channel();
-  } catch (const py::error_already_set&) {
-    // An unknown pipe only keeps the ticket alive longer (until the session
-    // ends); raising here would lose the message.
+  } catch (const std::exception&) {
   }
   uint64_t ticket = 0;
   if (!view->segment->unlinked()) {
-    ticket = view->segment->issue_ticket(channel_inode);
-    // No ticket (every slot taken): the receiver holds the segment for as
-    // long as its generation is unchanged; our view keeps it so until the
-    // message is written.
+    try {
+      ticket = view->segment->issue_ticket(channel_inode);
+    } catch (const std::exception&) {
+    }
     if (ticket == 0) count(kTicketsUnavailable);
   }
   return py::make_tuple(
