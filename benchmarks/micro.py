@@ -132,15 +132,15 @@ def sender_path(nbytes=256 << 10, number=2000):
 
     target = _segments.allocate(nbytes)
     _C.copy_extent(arrays[0], target, 0, threads)
-    copy = min(
-        timeit.repeat(
-            lambda: _C.copy_extent(arrays[0], target, 0, threads),
-            number=number,
-            repeat=7,
-        )
-    )
     a = arrays[0]
-    reduce_time = min(timeit.repeat(lambda: reducer(a), number=number, repeat=7))
+    # Alternating repeats, so that drift on a shared machine hits both alike.
+    copies, reduces = [], []
+    for _ in range(11):
+        copies.append(
+            timeit.timeit(lambda: _C.copy_extent(a, target, 0, threads), number=number)
+        )
+        reduces.append(timeit.timeit(lambda: reducer(a), number=number))
+    copy, reduce_time = min(copies), min(reduces)
     round_trip = min(
         timeit.repeat(
             lambda: ForkingPickler.loads(ForkingPickler.dumps(a)),
