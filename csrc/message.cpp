@@ -45,50 +45,42 @@ py::object weak_ref(const py::object& obj) {
   return py::reinterpret_steal<py::object>(weak);
 }
 
-Message& as_message(py::handle self) { return self.cast<Message&>(); }
-
-py::object share_with(Message& m, py::handle self, py::handle array,
-                      bool copy) {
-  Placement placed = m.plan.place(array, copy);
-  if (placed.name.is_none()) return py::none();
-  py::object ref =
-      Message::ref(self, std::move(placed.owner), std::move(placed.name));
-  return py::make_tuple(py::handle(wire.rebuild_ndarray),
-                        view_args(array, placed.offset, placed.strides, ref));
-}
-
 }  // namespace
 
 py::object Message::share(py::handle self, py::handle array, bool copy) {
-  return share_with(as_message(self), self, array, copy);
+  Placement placed = plan.place(array, copy);
+  if (placed.name.is_none()) return py::none();
+  py::object segment_ref =
+      ref(self, std::move(placed.owner), std::move(placed.name));
+  return py::make_tuple(
+      py::handle(wire.rebuild_ndarray),
+      view_args(array, placed.offset, placed.strides, segment_ref));
 }
 
 py::object Message::ref(py::handle self, py::object owner, py::object name) {
-  Message& m = as_message(self);
   std::string key = name.cast<std::string>();
-  auto found = m.refs_.find(key);
-  if (found != m.refs_.end()) {
-    py::object ref = deref(found->second);
-    if (!ref.is_none()) return ref;
+  auto found = refs_.find(key);
+  if (found != refs_.end()) {
+    py::object existing = deref(found->second);
+    if (!existing.is_none()) return existing;
   }
-  py::object ref =
+  py::object made =
       py::cast(new SegmentRef{std::move(owner), std::move(name),
                               py::reinterpret_borrow<py::object>(self)},
                py::return_value_policy::take_ownership);
-  m.refs_[std::move(key)] = weak_ref(ref);
-  return ref;
+  refs_[std::move(key)] = weak_ref(made);
+  return made;
 }
 
 py::object Message::token(py::handle self) {
-  Message& m = as_message(self);
-  if (m.token_) {
-    py::object token = deref(m.token_);
+  if (token_) {
+    py::object token = deref(token_);
     if (!token.is_none()) return token;
   }
   TORCH_CHECK(wire.message_token != nullptr, "the wire is not configured");
   py::object token = py::reinterpret_borrow<py::object>(wire.message_token)(
       py::reinterpret_borrow<py::object>(self));
-  m.token_ = weak_ref(token);
+  token_ = weak_ref(token);
   return token;
 }
 
@@ -184,7 +176,7 @@ PyObject* share_natively(PyObject* obj) {
   const SenderHooks& hooks = sender_hooks();
   try {
     py::object message = current_message();
-    py::object reduced = share_with(as_message(message), message, obj, false);
+    py::object reduced = message.cast<Message&>().share(message, obj, false);
     if (!reduced.is_none()) return reduced.release().ptr();
   } catch (...) {
     set_python_error(std::current_exception());

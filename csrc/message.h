@@ -35,14 +35,16 @@ class Message {
   Plan plan;
   int64_t small_bytes = 0;  // below-threshold bytes pickled inline so far
 
+  // `self` is this Message's Python object, which the references it makes
+  // keep alive.
   // (rebuild_ndarray, (SegmentRef, view args...)) for an array this message
   // sends through shared memory, or None for memory a torch tensor owns that
   // torchshm did not make (unless `copy`: then it is copied too).
-  static py::object share(py::handle self, py::handle array, bool copy);
+  py::object share(py::handle self, py::handle array, bool copy);
   // This message's reference to segment `name` (owner: a tensor over it).
-  static py::object ref(py::handle self, py::object owner, py::object name);
+  py::object ref(py::handle self, py::object owner, py::object name);
   // The object that keeps this message alive through inline arrays.
-  static py::object token(py::handle self);
+  py::object token(py::handle self);
 
  private:
   // segment name -> weak ref to its SegmentRef: a strong one would make a

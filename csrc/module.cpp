@@ -193,8 +193,6 @@ PYBIND11_MODULE(_C, m) {
       .def("__len__", &SegmentPool::size)
       .def_property_readonly("nbytes", &SegmentPool::nbytes)
       .def_readwrite("fast_until", &SegmentPool::fast_until);
-  m.def("monotonic", &torchshm::monotonic_seconds,
-        "time.monotonic()'s clock, as the pool reads it.");
 
   // The sender (plan.h, Note [Sender plan]; message.h, Note [One message,
   // one snapshot]).
@@ -212,9 +210,14 @@ PYBIND11_MODULE(_C, m) {
                 torchshm::view_args(array, p.offset, p.strides));
           },
           py::arg("array"), py::arg("copy") = false)
-      .def("share", &Message::share, py::arg("array"), py::arg("copy") = false)
-      .def("ref", &Message::ref, py::arg("owner"), py::arg("name"))
-      .def("token", &Message::token)
+      .def(
+          "share",
+          [](py::handle self, py::handle array, bool copy) {
+            return self.cast<Message&>().share(self, array, copy);
+          },
+          py::arg("array"), py::arg("copy") = false)
+      .def("token",
+           [](py::handle self) { return self.cast<Message&>().token(self); })
       .def_readwrite("small_bytes", &Message::small_bytes);
   py::class_<torchshm::SegmentRef>(m, "SegmentRef")
       .def_readonly("owner", &torchshm::SegmentRef::owner)
@@ -222,7 +225,6 @@ PYBIND11_MODULE(_C, m) {
       .def("__reduce__", &torchshm::SegmentRef::reduce);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
   m.def("current_message", &torchshm::current_message);
-  m.def("current_channel", &torchshm::current_channel);
   m.def(
       "view_args",
       [](py::handle array, int64_t offset) {

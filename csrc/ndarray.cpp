@@ -55,17 +55,13 @@ void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
   }
 }
 
-void parallel_memcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
+}  // namespace
+
+void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
   parallel_chunks(n, threads, kMinBytesPerThread, 1,
                   [=](int64_t begin, int64_t len) {
                     blocked_memcpy(dst + begin, src + begin, len);
                   });
-}
-
-}  // namespace
-
-void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
-  parallel_memcpy(dst, src, n, threads);
 }
 
 std::pair<int64_t, int64_t> byte_extent(py::handle array) {
@@ -94,7 +90,7 @@ void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
   auto* dst = static_cast<uint8_t*>(dest.data_ptr()) + dest_offset;
   // The caller's reference keeps `array` alive while the GIL is released.
   py::gil_scoped_release no_gil;
-  parallel_memcpy(dst, src, n, threads);
+  copy_bytes(dst, src, n, threads);
 }
 
 py::object wrap_ndarray(const at::Tensor& owner, int64_t offset,

@@ -97,17 +97,16 @@ py::tuple view_args(py::handle array, int64_t offset,
           ? py::none()
           : py::reinterpret_borrow<py::object>(
                 reinterpret_cast<PyObject*>(Py_TYPE(array.ptr())));
-  py::object items[] = {
-      py::int_(offset),
-      std::move(dtype),
-      int_tuple(PyArray_DIMS(a), nd),
-      int_tuple(strides.empty() ? PyArray_STRIDES(a) : strides.data(), nd),
-      py::bool_(PyArray_ISWRITEABLE(a)),
-      std::move(subtype)};
-  const int skip = first ? 0 : 1;
-  py::tuple out(7 - skip);
-  if (first) out[0] = py::reinterpret_borrow<py::object>(first);
-  for (int i = 0; i < 6; ++i) out[i + 1 - skip] = std::move(items[i]);
+  py::tuple out(first ? 7 : 6);
+  int i = 0;
+  if (first) out[i++] = py::reinterpret_borrow<py::object>(first);
+  out[i++] = py::int_(offset);
+  out[i++] = std::move(dtype);
+  out[i++] = int_tuple(PyArray_DIMS(a), nd);
+  out[i++] =
+      int_tuple(strides.empty() ? PyArray_STRIDES(a) : strides.data(), nd);
+  out[i++] = py::bool_(PyArray_ISWRITEABLE(a));
+  out[i++] = std::move(subtype);
   return out;
 }
 

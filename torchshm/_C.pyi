@@ -77,14 +77,9 @@ def wrap_ndarray(
     strides: Sequence[int],
     writeable: bool,
 ) -> np.ndarray: ...
-def receive_ndarray(
-    owner: torch.Tensor,
-    offset: int,
-    dtype: object,
-    shape: Sequence[int],
-    strides: Sequence[int],
-    writeable: bool,
-) -> np.ndarray: ...
+
+# wrap_ndarray for a received array, counted as arrays_received.
+receive_ndarray = wrap_ndarray
 
 class SegmentPool:
     """The sender's pooled segments (csrc/pool.h, Note [Segment pool])."""
@@ -103,8 +98,6 @@ class SegmentPool:
     @property
     def nbytes(self) -> int: ...
 
-def monotonic() -> float: ...
-
 class Message:
     """One message's sender state (csrc/message.h, Note [One message, one
     snapshot])."""
@@ -114,7 +107,6 @@ class Message:
     def share(
         self, array: np.ndarray, copy: bool = False
     ) -> Optional[Tuple[Any, Any]]: ...
-    def ref(self, owner: torch.Tensor, name: str) -> "SegmentRef": ...
     def token(self) -> object: ...
 
 class SegmentRef:
@@ -128,7 +120,6 @@ class SegmentRef:
 
 def memory_owner(array: np.ndarray) -> Optional[torch.Tensor]: ...
 def current_message() -> Message: ...
-def current_channel() -> int: ...
 def view_args(array: np.ndarray, offset: int) -> Tuple[Any, ...]: ...
 def configure_sender(
     policy_reducer: Callable[[np.ndarray], Any],

@@ -56,7 +56,7 @@ def allocate_block(nbytes):
         else:
             pooled = True
             _stats.add("segments_reused")
-        _live[segment_name(owner)] = weakref.ref(owner)
+        _live[name_of(owner)] = weakref.ref(owner)
         if pooled:
             _expiry.ensure()
     return owner, not fresh
@@ -125,10 +125,6 @@ def name_of(tensor):
     """The segment behind a tensor, or None if it is not torchshm memory."""
     segment = _C.segment_of(tensor)
     return None if segment is None else segment.name
-
-
-def segment_name(owner):
-    return _C.segment_of(owner).name
 
 
 def trim() -> int:
