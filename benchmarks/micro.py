@@ -162,13 +162,23 @@ def sender_path(nbytes=256 << 10, number=2000):
         return spent
 
     dumps_time = min(dumps_only() for _ in range(7))
+    # For scale: ForkingPickler's own cost per dumps, and plain pickling.
+    empty = min(
+        timeit.repeat(lambda: ForkingPickler.dumps(()), number=number, repeat=7)
+    )
+    with torchshm.disabled():
+        plain = min(
+            timeit.repeat(lambda: ForkingPickler.dumps(a), number=number, repeat=7)
+        )
     print(
         f"sender, fresh {nbytes >> 10} KiB array: copy {copy * us:.2f} us,"
         f" reducer {reduce_time * us:.2f} us"
         f" (overhead above the copy {(reduce_time - copy) * us:.2f} us);"
         f" whole dumps {dumps_time * us:.2f} us (above the copy"
         f" {(dumps_time - copy) * us:.2f} us, ticket and pickling included);"
-        f" dumps + loads in process {round_trip * us:.2f} us"
+        f" dumps + loads in process {round_trip * us:.2f} us;"
+        f" for scale, dumps of () {empty * us:.2f} us and plain pickling"
+        f" of the array {plain * us:.2f} us"
     )
 
     # Per array in one message of 8 fresh arrays (the message holds a chunk
