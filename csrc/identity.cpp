@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sys/file.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -22,7 +23,8 @@ struct Lock {
   int fd = -1;
 };
 
-std::mutex mutex;  // guards everything below
+std::mutex mutex;     // guards everything below
+std::string session;  // written into lock files
 Lock self;
 Lock child;  // between prepare_child and the end of fork
 // Processes found dead; ids are never reused, so the answer never changes.
@@ -31,6 +33,8 @@ constexpr size_t kDeadCacheMax = 1 << 14;
 
 std::atomic<pid_t> cached_pid{0};
 void refresh_pid() { cached_pid.store(::getpid(), std::memory_order_relaxed); }
+
+void write_owner(int fd, pid_t pid);
 
 // Creates and locks a fresh lock file. It is created under a temporary name
 // and renamed once locked: a sweeper that sees the final name unlocked may
@@ -50,12 +54,20 @@ Lock create_lock() {
     ::close(lock.fd);
     throw_errno(err, "cannot lock ", tmp);
   }
-  // The pid, for people reading /dev/shm (ids are what the protocol uses).
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::write(lock.fd, pid.data(), pid.size()) < 0) {
-    // Informational only.
-  }
+  write_owner(lock.fd, ::getpid());
   return lock;
+}
+
+// "<pid> <session>\n": the pid for people reading /dev/shm, the session for
+// the keeper (a restarted keeper ends its session only when no process of
+// it lives). Ids are what the slot protocol uses.
+void write_owner(int fd, pid_t pid) {
+  const std::string text = std::to_string(pid) + " " + session + "\n";
+  if (::ftruncate(fd, 0) != 0 ||
+      ::pwrite(fd, text.data(), text.size(), 0) < 0) {
+    // Informational for people; the keeper then sees no session and
+    // counts on the member's connection instead.
+  }
 }
 
 void close_lock(Lock& lock) {
@@ -87,6 +99,12 @@ uint64_t self_id() {
   return self.id;
 }
 
+void set_lock_session(const std::string& name) {
+  std::lock_guard<std::mutex> guard(mutex);
+  session = name;
+  if (self.fd >= 0) write_owner(self.fd, ::getpid());
+}
+
 bool holder_alive(uint64_t holder) {
   if (holder == 0) return false;
   if (holder & kTicketBit) return true;
@@ -95,17 +113,18 @@ bool holder_alive(uint64_t holder) {
     if (holder == self.id || holder == child.id) return true;
     if (dead.count(holder)) return false;
   }
-  bool alive = true;
-  const int fd =
-      ::open(lock_path(holder).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    // Another user's lock we may not read counts as alive: never free memory
-    // on a guess.
-    alive = errno != ENOENT;
-  } else {
+  bool alive = false;
+  // Only a regular file of this user can be a holder's lock: a symlink, a
+  // FIFO (O_NONBLOCK: opening one must not block) or another user's file
+  // planted under a dead holder's name must not make it look alive.
+  const int fd = ::open(lock_path(holder).c_str(),
+                        O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd >= 0) {
+    struct stat st;
     // Our own shared lock, released by close, succeeds only if nobody holds
     // the owner's exclusive one.
-    alive = ::flock(fd, LOCK_SH | LOCK_NB) != 0;
+    alive = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+            st.st_uid == ::geteuid() && ::flock(fd, LOCK_SH | LOCK_NB) != 0;
     ::close(fd);
   }
   if (!alive) {
@@ -134,6 +153,7 @@ void after_fork_in_child() {
   self = child;
   child = Lock{};
   dead.clear();
+  if (self.fd >= 0) write_owner(self.fd, ::getpid());
 }
 
 void remove_own_lock() {

@@ -2,15 +2,17 @@
 //
 // Every process that holds torchshm memory has a random 63-bit id, fresh after
 // fork, and a lock file /dev/shm/torchshm-<id>.lock on which it holds an
-// exclusive flock for its whole life. The kernel drops the lock when the
-// process dies, however it dies, so any process that shares this /dev/shm (a
+// exclusive flock for its whole life (the file says its pid and session, for
+// people and for the keeper). The kernel drops the lock when the process
+// dies, however it dies, so any process that shares this /dev/shm (a
 // container with --ipc=host, another network or PID namespace) can tell
-// whether a holder lives: a lock it can take, or a missing file, means dead.
-// Ids are never reused, so a stale id can never name a new process.
+// whether a holder lives: a lock it can take, or no regular file of this
+// user under that name (missing, or something another user planted), means
+// dead. Ids are never reused, so a stale id can never name a new process.
 //
 // A holder word in a segment's slot (segment.h) is either such a process id
-// or kTicketBit | nonce: a message in flight, which lives as long as the
-// sender's session (the session reaper ends it).
+// or a ticket (layout.h): a message in flight, judged by the session's
+// keeper.
 #pragma once
 
 #include <sys/types.h>
@@ -18,9 +20,9 @@
 #include <cstdint>
 #include <string>
 
-namespace torchshm {
+#include "layout.h"
 
-constexpr uint64_t kTicketBit = 1ULL << 63;
+namespace torchshm {
 
 // A random non-zero id below kTicketBit (or, with ticket=true, a ticket word).
 uint64_t random_id(bool ticket = false);
@@ -31,8 +33,12 @@ std::string lock_path(uint64_t id);
 // This process's id; the first call creates and locks its lock file.
 uint64_t self_id();
 
-// Whether a holder word names a live holder: tickets are alive (their session
-// decides), a process is alive while its lock is held. Thread-safe.
+// The session this process belongs to, written into its lock file (and its
+// forked children's) for the keeper (Note [Segment lifetime]).
+void set_lock_session(const std::string& session);
+
+// Whether a holder word names a live holder: tickets are alive (the keeper
+// judges them), a process is alive while its lock is held. Thread-safe.
 bool holder_alive(uint64_t holder);
 
 // Fork support (Note [Fork] in torchshm/_segments.py). Before fork the parent

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "errors.h"
+#include "identity.h"
 #include "numpy_api.h"
 #include "segment.h"
 #include "stats.h"
@@ -27,6 +28,21 @@ struct Channel {
   int max_depth = 0;               // a pickler's reduce runs a few frames below
 };
 Channel channel;
+
+// Tickets of this thread's last message that are marked "being written"
+// (see the Note): the segment, so that its mapping outlives the write.
+thread_local std::vector<std::pair<std::shared_ptr<Segment>, uint64_t>>
+    being_written;
+
+void end_write(bool written) {
+  for (auto& [segment, ticket] : being_written) {
+    if (written)
+      segment->mark_written(ticket);
+    else
+      segment->cancel_ticket(ticket);
+  }
+  being_written.clear();
+}
 
 // The object a weak reference points to, or None.
 py::object deref(const py::object& weak) {
@@ -99,15 +115,22 @@ py::tuple SegmentRef::reduce() const {
   }
   uint64_t ticket = 0;
   if (!view->segment->unlinked()) {
+    // A writer to watch only where the write is known to return through
+    // _channel.py's hook: a message that went another way keeps its ticket.
     try {
-      ticket = view->segment->issue_ticket(channel_inode);
+      const uint64_t writer = channel_inode ? self_id() : 0;
+      ticket = view->segment->issue_ticket(channel_inode, writer);
+      if (ticket != 0 && writer != 0)
+        being_written.emplace_back(view->segment, ticket);
     } catch (const std::exception&) {
+      // No ticket: the receiver loads as a second load does.
+      view->segment->pin();
     }
     if (ticket == 0) count(kTicketsUnavailable);
   }
-  return py::make_tuple(
-      py::handle(wire.attach_segment),
-      py::make_tuple(name, ticket, view->segment->generation()));
+  return py::make_tuple(py::handle(wire.attach_segment),
+                        py::make_tuple(py::str(view->segment->locator()),
+                                       ticket, view->segment->generation()));
 }
 
 py::object current_message() {
@@ -121,12 +144,25 @@ py::object current_message() {
   } else if (PyErr_Occurred()) {
     throw py::error_already_set();
   }
+  // The previous message of this thread is done; if its tickets are still
+  // "being written", it never was (see the Note).
+  if (!being_written.empty()) end_write(false);
   py::object message =
       py::cast(new Message(), py::return_value_policy::take_ownership);
   if (PyDict_SetItem(state, key, weak_ref(message).ptr()) != 0)
     throw py::error_already_set();
   return message;
 }
+
+void message_written() {
+  if (!being_written.empty()) end_write(true);
+}
+
+void message_not_written() {
+  if (!being_written.empty()) end_write(false);
+}
+
+void forget_written_tickets() { being_written.clear(); }
 
 uint64_t current_channel() {
   if (channel.writers == nullptr) return 0;

@@ -29,6 +29,14 @@ namespace torchshm {
 // calls the SegmentRef's native __reduce__, which issues the message's
 // ticket. Python's policy reducer (torchshm/_sender.py) takes every other
 // array, and every failure, so that the reducer never raises.
+//
+// A ticket whose message goes into a known pipe is marked "being written"
+// (Note [Segment lifetime]) and remembered by the thread until the write
+// returns: the writer's Connection._send_bytes then calls message_written()
+// (torchshm/_channel.py), or message_not_written() when it raised. A thread's
+// messages are sequential, so a message that starts while tickets of its
+// predecessor are still remembered cancels them: that message was never
+// written (its pickling failed), and nobody can claim them.
 
 class Message {
  public:
@@ -68,6 +76,13 @@ struct SegmentRef {
 
 // The message this thread is pickling (a new one if none is alive).
 py::object current_message();
+
+// The thread's message was written (see the Note): its tickets are no longer
+// "being written". message_not_written cancels them; forget_written_tickets
+// drops them without a word (a forked child: they are the parent's).
+void message_written();
+void message_not_written();
+void forget_written_tickets();
 
 // The inode of the pipe the message being pickled goes to, or 0: the
 // frames above the pickler say which Connection writes it.

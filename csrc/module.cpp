@@ -1,12 +1,12 @@
-// Bindings only: the mechanism lives in segment.cpp, identity.cpp,
+// Bindings only: the mechanism lives in segment.cpp, table.cpp, identity.cpp,
 // allocator.cpp, ndarray.cpp, pool.cpp, plan.cpp, message.cpp and stats.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
 #include "allocator.h"
-#include "budget.h"
 #include "errors.h"
 #include "identity.h"
+#include "layout.h"
 #include "message.h"
 #include "ndarray.h"
 #include "numpy_api.h"
@@ -14,6 +14,7 @@
 #include "pool.h"
 #include "segment.h"
 #include "stats.h"
+#include "table.h"
 
 namespace {
 
@@ -55,6 +56,40 @@ PYBIND11_MODULE(_C, m) {
   m.attr("HEADER_BYTES") = torchshm::kHeaderBytes;
   m.attr("SLOTS") = torchshm::kSlots;
   m.attr("TICKET_BIT") = torchshm::kTicketBit;
+  {
+    // Every constant of layout.h, for the keeper's copy and its test.
+    using namespace torchshm;
+    py::dict layout;
+    layout["SEGMENT_MAGIC"] = kSegmentMagic;
+    layout["SLOTS"] = kSlots;
+    layout["SLOT_BYTES"] = sizeof(Slot);
+    layout["SLOTS_OFFSET"] = offsetof(SegmentHeader, slots);
+    layout["SLOT_CHANNEL"] = offsetof(Slot, channel);
+    layout["SLOT_WRITER"] = offsetof(Slot, writer);
+    layout["SLOT_VERDICT"] = offsetof(Slot, verdict);
+    layout["CAPACITY_OFFSET"] = offsetof(SegmentHeader, capacity);
+    layout["CREATOR_OFFSET"] = offsetof(SegmentHeader, creator);
+    layout["UID_OFFSET"] = offsetof(SegmentHeader, uid);
+    layout["GENERATION_OFFSET"] = offsetof(SegmentHeader, generation);
+    layout["UNLINKED_OFFSET"] = offsetof(SegmentHeader, unlinked);
+    layout["SLOTS_USED_OFFSET"] = offsetof(SegmentHeader, slots_used);
+    layout["PINNED_OFFSET"] = offsetof(SegmentHeader, pinned);
+    layout["HEADER_BYTES"] = kHeaderBytes;
+    layout["TICKET_BIT"] = kTicketBit;
+    layout["WRITING_BIT"] = kWritingBit;
+    layout["TICKET_SLOT_SHIFT"] = kTicketSlotShift;
+    layout["TICKET_SLOT_MASK"] = kTicketSlotMask;
+    layout["TABLE_MAGIC"] = kTableMagic;
+    layout["TABLE_CAPACITY_OFFSET"] = offsetof(TableHeader, capacity);
+    layout["TABLE_FD_BASE_OFFSET"] = offsetof(TableHeader, fd_base);
+    layout["TABLE_BUDGET_OFFSET"] = kTableBudgetOffset;
+    layout["BUDGET_ENTRIES"] = kBudgetEntries;
+    layout["BUDGET_ENTRY_BYTES"] = sizeof(BudgetEntry);
+    layout["TABLE_UIDS_OFFSET"] = kTableUidsOffset;
+    layout["FLAG_TICKETS"] = kFlagTickets;
+    layout["FLAG_RELEASED"] = kFlagReleased;
+    m.attr("LAYOUT") = layout;
+  }
 
   // OSError(errno, message): Python decides by .errno which failures mean
   // "fall back to pickling".
@@ -71,30 +106,54 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  py::class_<torchshm::SessionTable, std::shared_ptr<torchshm::SessionTable>>(
+      m, "SessionTable")
+      .def_static("map", &torchshm::SessionTable::map, py::arg("fd"))
+      .def_property_readonly("capacity", &torchshm::SessionTable::capacity)
+      .def_property_readonly("fd_base", &torchshm::SessionTable::fd_base)
+      .def("claim", &torchshm::SessionTable::claim, py::arg("uid"))
+      .def("flag", &torchshm::SessionTable::flag, py::arg("index"),
+           py::arg("bits"))
+      .def("budget_set", &torchshm::SessionTable::budget_set, py::arg("holder"),
+           py::arg("bytes"))
+      .def("budget_total", &torchshm::SessionTable::budget_total);
+
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
-      .def_static("create", &Segment::create, py::arg("name"),
-                  py::arg("capacity"), py::arg("creator"),
+      .def_static("create", &Segment::create, py::arg("session"),
+                  py::arg("table"), py::arg("capacity"), py::arg("creator"),
                   py::arg("threads") = 1,
                   py::call_guard<py::gil_scoped_release>())
-      .def_static("attach", &Segment::attach, py::arg("name"),
-                  py::call_guard<py::gil_scoped_release>())
+      .def_static("attach", &Segment::attach, py::arg("fd"), py::arg("session"),
+                  py::arg("uid"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("name", &Segment::name)
+      .def_property_readonly("locator", &Segment::locator)
+      .def_property_readonly("session", &Segment::session)
+      .def_property_readonly("uid", &Segment::uid)
+      .def_property_readonly("index", &Segment::index)
+      .def_property_readonly("fd", &Segment::fd)
       .def_property_readonly("capacity", &Segment::capacity)
       .def_property_readonly("generation", &Segment::generation)
       .def_property_readonly("unlinked", &Segment::unlinked)
+      .def_property_readonly("pinned", &Segment::pinned)
       .def_property_readonly("holders", &Segment::holders)
       .def_property_readonly("local_views", &Segment::local_views)
+      .def_property_readonly("table", &Segment::table)
+      .def("close_fd", &Segment::close_fd)
+      .def("rebind", &Segment::rebind, py::arg("table"), py::arg("index"))
       .def("take_slot", &Segment::take_slot, py::arg("holder"))
       .def("release_slot", &Segment::release_slot, py::arg("slot"),
            py::arg("holder"))
-      .def("issue_ticket", &Segment::issue_ticket, py::arg("channel") = 0)
+      .def("issue_ticket", &Segment::issue_ticket, py::arg("channel") = 0,
+           py::arg("writer") = 0)
       .def("claim_ticket", &Segment::claim_ticket, py::arg("ticket"),
            py::arg("holder"))
       .def("cancel_ticket", &Segment::cancel_ticket, py::arg("ticket"))
+      .def("mark_written", &Segment::mark_written, py::arg("ticket"))
       .def("reserve_for_reuse", &Segment::reserve_for_reuse,
            py::arg("own_slot"))
       .def("has_live_holder", &Segment::has_live_holder,
            py::arg("except_slot") = -1)
+      .def("pin", &Segment::pin)
       .def("unlink", &Segment::unlink)
       .def(
           "tensor",
@@ -103,6 +162,8 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("slot"), py::arg("holder"),
           "An int8 tensor over the data; its view owns `slot` (-1: none).");
+  m.def("segments_with_fd", &torchshm::segments_with_fd);
+  m.def("open_creator_fds", &torchshm::open_creator_fds);
 
   m.def(
       "segment_of",
@@ -123,12 +184,8 @@ PYBIND11_MODULE(_C, m) {
       "Makes a view own a slot taken for this process (a forked child's "
       "inherited view).");
 
-  py::class_<torchshm::Budget, std::shared_ptr<torchshm::Budget>>(m, "Budget")
-      .def_static("open", &torchshm::Budget::open, py::arg("path"))
-      .def("set", &torchshm::Budget::set, py::arg("holder"), py::arg("bytes"))
-      .def("total", &torchshm::Budget::total);
-
   m.def("process_id", &torchshm::self_id);
+  m.def("set_lock_session", &torchshm::set_lock_session, py::arg("session"));
   m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));
   m.def("lock_path", &torchshm::lock_path, py::arg("id"));
   m.def("prepare_child", &torchshm::prepare_child);
@@ -225,6 +282,9 @@ PYBIND11_MODULE(_C, m) {
       .def("__reduce__", &torchshm::SegmentRef::reduce);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
   m.def("current_message", &torchshm::current_message);
+  m.def("message_written", &torchshm::message_written);
+  m.def("message_not_written", &torchshm::message_not_written);
+  m.def("forget_written_tickets", &torchshm::forget_written_tickets);
   m.def(
       "view_args",
       [](py::handle array, int64_t offset) {

@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <limits>
+#include <mutex>
 #include <vector>
 
 #include "errors.h"
@@ -16,39 +20,9 @@
 
 namespace torchshm {
 
-constexpr uint64_t kMagic = 0x336d687368637274ULL;  // "trchshm3"
-
-// The layout torchshm/_reaper.py reads too (it has no native code): keep the
-// offsets there in step.
-struct Header {
-  uint64_t magic;                          // 0, written last at creation
-  int64_t capacity;                        // 8
-  uint64_t creator;                        // 16
-  std::atomic<uint64_t> generation;        // 24
-  std::atomic<uint32_t> unlinked;          // 32
-  std::atomic<uint32_t> slots_used;        // 36: see scan_end()
-  uint32_t reserved[6];                    // 40
-  std::atomic<uint64_t> slots[kSlots];     // 64
-  std::atomic<uint64_t> channels[kSlots];  // 64 + 8 * kSlots
-  std::atomic<uint64_t> verdicts[kSlots];  // 64 + 16 * kSlots
-};
-static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its pages");
-static_assert(offsetof(Header, slots) == 64, "the reaper reads slots at 64");
-static_assert(offsetof(Header, slots_used) == 36, "the reaper skips it");
-static_assert(offsetof(Header, verdicts) == 64 + 16 * kSlots,
-              "the reaper writes verdicts there");
-static_assert(std::atomic<uint64_t>::is_always_lock_free,
-              "a cross-process slot must be lock-free");
-
 namespace {
 
-// Closes the fd on every path; the mapping outlives it.
-struct FdCloser {
-  int fd;
-  ~FdCloser() {
-    if (fd >= 0) ::close(fd);
-  }
-};
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 void delete_view(void* ctx) { delete static_cast<View*>(ctx); }
 
@@ -58,40 +32,71 @@ void delete_view(void* ctx) { delete static_cast<View*>(ctx); }
 // Below this, one thread populates: starting threads costs more than it saves.
 constexpr int64_t kMinPopulatePerThread = 16 << 20;
 
-// Backs every page of a new segment now, so that a full tmpfs fails here
-// with an error instead of SIGBUS on first write; 0 or an errno (ENOSPC
-// when tmpfs is full). MADV_POPULATE_WRITE faults the pages in as writes
-// would, and several threads fault in parallel (a one-off measurement, 392
-// MB on 2 cores: fallocate + MAP_POPULATE 216 ms, one thread 229 ms, two
-// 121 ms; `python -m benchmarks --only born` reports it as "fresh pages").
-// Kernels before 5.14 get posix_fallocate; their pages fault in on write.
+// Backs every data page of a new segment now, so that a memory limit fails
+// here with an error instead of later, on first write; 0 or an errno.
+// MADV_POPULATE_WRITE faults the pages in as writes would, and several
+// threads fault in parallel (a one-off measurement, 392 MB on 2 cores:
+// fallocate + MAP_POPULATE 216 ms, one thread 229 ms, two 121 ms; `python -m
+// benchmarks --only born` reports it as "fresh pages"). Only the header's
+// first page is touched: unused slots take no memory. Kernels before 5.14
+// get posix_fallocate.
 int populate(int fd, void* base, size_t total, int threads) {
+  const int64_t data = static_cast<int64_t>(total - kHeaderBytes);
   std::vector<int> errors(std::max(threads, 1) + 1, 0);
   std::atomic<int> next{0};
-  parallel_chunks(static_cast<int64_t>(total), threads, kMinPopulatePerThread,
-                  kHeaderBytes, [&](int64_t begin, int64_t len) {
+  auto* start = static_cast<char*>(base) + kHeaderBytes;
+  parallel_chunks(data, threads, kMinPopulatePerThread, kPageBytes,
+                  [&](int64_t begin, int64_t len) {
                     int& err = errors[next++];
-                    if (::madvise(static_cast<char*>(base) + begin, len,
-                                  MADV_POPULATE_WRITE) != 0)
+                    if (::madvise(start + begin, len, MADV_POPULATE_WRITE) != 0)
                       err = errno;
                   });
   int err = 0;
   for (int e : errors) err = err ? err : e;
-  if (err == EINVAL) return ::posix_fallocate(fd, 0, static_cast<off_t>(total));
-  // EFAULT: a page would have raised SIGBUS, i.e. tmpfs has no room.
-  return err == EFAULT ? ENOSPC : err;
+  if (err == EINVAL)
+    return ::posix_fallocate(fd, static_cast<off_t>(kHeaderBytes),
+                             static_cast<off_t>(data));
+  // EFAULT: a page could not be backed (SIGBUS had it been a write).
+  return err == EFAULT ? ENOMEM : err;
+}
+
+// Fds this process holds for segments it created (see close_fd).
+std::atomic<int64_t> creator_fds{0};
+
+// Segments this process created that still hold their fd.
+std::mutex created_mutex;
+std::vector<std::weak_ptr<Segment>> created;
+
+void remember(const std::shared_ptr<Segment>& segment) {
+  std::lock_guard<std::mutex> guard(created_mutex);
+  if (created.size() >= 64 && created.size() == created.capacity()) {
+    created.erase(std::remove_if(created.begin(), created.end(),
+                                 [](const auto& w) { return w.expired(); }),
+                  created.end());
+  }
+  created.push_back(segment);
 }
 
 }  // namespace
 
-Segment::Segment(std::string name, void* base, size_t mapped_bytes,
-                 int64_t capacity)
-    : name_(std::move(name)),
+Segment::Segment(std::string session, uint64_t uid, void* base,
+                 size_t mapped_bytes, int64_t capacity, int fd,
+                 pid_t creator_pid)
+    : session_(std::move(session)),
+      uid_(uid),
       base_(base),
       mapped_bytes_(mapped_bytes),
-      capacity_(capacity) {}
+      capacity_(capacity),
+      fd_(fd),
+      creator_pid_(creator_pid) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%016" PRIx64, uid_);
+  name_ = "torchshm:" + session_ + ":" + buf;
+}
 
-Header* Segment::header() const { return static_cast<Header*>(base_); }
+SegmentHeader* Segment::header() const {
+  return static_cast<SegmentHeader*>(base_);
+}
 
 // No slot at or above the watermark was ever taken, so scans stop there
 // (most segments only ever use a few low slots). take_slot raises it before
@@ -102,83 +107,140 @@ int Segment::scan_end() const {
       std::min<uint32_t>(header()->slots_used.load(), kSlots));
 }
 
-std::shared_ptr<Segment> Segment::create(const std::string& name,
+std::shared_ptr<Segment> Segment::create(const std::string& session,
+                                         std::shared_ptr<SessionTable> table,
                                          int64_t capacity, uint64_t creator,
                                          int threads) {
-  TORCH_CHECK(capacity >= 0, "expected a non-negative capacity, got ",
-              capacity);
+  if (capacity < 0 || capacity > std::numeric_limits<int64_t>::max() / 2 -
+                                     static_cast<int64_t>(kHeaderBytes))
+    throw_errno(ENOMEM, "cannot make a segment of ", capacity, " bytes");
   const size_t total = kHeaderBytes + static_cast<size_t>(capacity);
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) throw_errno(errno, "shm_open(", name, ") failed");
-  FdCloser closer{fd};
+  const uint64_t uid = random_id();
+  const int index = table ? table->claim(uid) : -1;
+  if (table && index < 0)
+    throw_errno(EMFILE, "the session has ", table->capacity(),
+                " live segments, as many as its keeper may hold fds for"
+                " (raise the hard limit of `ulimit -n`)");
+  // What /proc/<pid>/maps shows (torchshm._doctor.SEGMENT_MAPPING).
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "torchshm-segment:%s:%d", session.c_str(),
+                index);
+  int fd = ::memfd_create(tag, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   void* base = MAP_FAILED;
-  int err = 0;
-  if (::ftruncate(fd, static_cast<off_t>(total)) != 0) {
+  int err = fd < 0 ? errno : 0;
+  if (!err && (::ftruncate(fd, static_cast<off_t>(total)) != 0 ||
+               ::fcntl(fd, F_ADD_SEALS, kSeals) != 0))
     err = errno;
-  } else {
+  if (!err) {
     base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     err = base == MAP_FAILED ? errno : populate(fd, base, total, threads);
   }
   if (err != 0) {
     if (base != MAP_FAILED) ::munmap(base, total);
-    ::shm_unlink(name.c_str());
-    throw_errno(err, "cannot reserve ", total, " bytes for ", name,
-                " in /dev/shm");
+    if (fd >= 0) ::close(fd);
+    if (table) table->unclaim(index, uid);
+    throw_errno(err, "cannot reserve ", total, " bytes of shared memory");
   }
-  // A new file reads as zeros: every slot is empty, generation 0.
-  Header* h = static_cast<Header*>(base);
+  // A new memfd reads as zeros: every slot is empty, generation 0.
+  auto* h = static_cast<SegmentHeader*>(base);
   h->capacity = capacity;
   h->creator = creator;
+  h->uid = uid;
   h->slots_used.store(1);
-  h->slots[0].store(creator);
+  h->slots[0].word.store(creator);
   std::atomic_thread_fence(std::memory_order_release);
-  h->magic = kMagic;
-  return std::shared_ptr<Segment>(new Segment(name, base, total, capacity));
+  h->magic = kSegmentMagic;
+  creator_fds.fetch_add(1);
+  std::shared_ptr<Segment> segment(
+      new Segment(session, uid, base, total, capacity, fd, ::getpid()));
+  segment->rebind(std::move(table), index);
+  remember(segment);
+  return segment;
 }
 
-std::shared_ptr<Segment> Segment::attach(const std::string& name) {
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600);
-  if (fd < 0)
-    throw_errno(errno, "shared-memory segment ", name,
-                " is gone: its sender's session ended, or every process "
-                "holding it let it go");
-  FdCloser closer{fd};
+std::shared_ptr<Segment> Segment::attach(int fd, const std::string& session,
+                                         uint64_t uid) {
   struct stat st;
-  if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat(", name, ") failed");
-  // Another user may share /dev/shm: map only what this user made, privately.
-  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
-      (st.st_mode & 0777) != 0600)
-    throw_errno(EACCES, "refusing to map ", name,
-                ": not a regular file of this user with mode 0600 (owner ",
-                st.st_uid, ", mode ", std::oct, (st.st_mode & 0777), ")");
+  if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat of a segment failed");
+  // Another user's memory, or memory someone could truncate under us
+  // (SIGBUS for every reader), is never mapped.
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || seals < 0 ||
+      (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    throw_errno(EACCES, "refusing to map segment ", uid,
+                ": not a sealed memfd of this user (owner ", st.st_uid, ")");
   const size_t total = static_cast<size_t>(st.st_size);
   if (total < kHeaderBytes)
-    throw_errno(EINVAL, "segment ", name, " is truncated: ", total, " bytes");
+    throw_errno(EINVAL, "not a torchshm segment: ", total, " bytes");
   void* base =
       ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED) throw_errno(errno, "mmap of ", name, " failed");
-  Header* h = static_cast<Header*>(base);
-  if (h->magic != kMagic || h->capacity < 0 ||
-      static_cast<uint64_t>(h->capacity) + kHeaderBytes != total) {
+  if (base == MAP_FAILED) throw_errno(errno, "mmap of a segment failed");
+  auto* h = static_cast<SegmentHeader*>(base);
+  int err = 0;
+  if (h->magic != kSegmentMagic || h->capacity < 0 ||
+      static_cast<uint64_t>(h->capacity) + kHeaderBytes != total)
+    err = EINVAL;
+  else if (h->uid != uid)
+    err = ESTALE;  // an fd number reused for another segment
+  else if (h->unlinked.load() != 0)
+    err = ENOENT;
+  if (err != 0) {
     ::munmap(base, total);
-    throw_errno(EINVAL, name, " is not a torchshm segment");
+    throw_errno(err, "segment ", uid, " of session ", session,
+                err == ENOENT ? " is gone: every process holding it let go"
+                              : " is not at this place");
   }
-  return std::shared_ptr<Segment>(new Segment(name, base, total, h->capacity));
+  return std::shared_ptr<Segment>(
+      new Segment(session, uid, base, total, h->capacity, -1, 0));
 }
 
-Segment::~Segment() { ::munmap(base_, mapped_bytes_); }
+Segment::~Segment() {
+  ::munmap(base_, mapped_bytes_);
+  close_fd();
+}
+
+void Segment::close_fd() {
+  const int fd = fd_.exchange(-1);
+  if (fd < 0) return;
+  ::close(fd);
+  // Only a creator's segment holds an fd after its constructor returns.
+  creator_fds.fetch_sub(1);
+}
+
+int64_t open_creator_fds() { return creator_fds.load(); }
+
+void Segment::rebind(std::shared_ptr<SessionTable> table, int index) {
+  std::atomic_store(&table_, std::move(table));
+  index_.store(index);
+}
+
+std::shared_ptr<SessionTable> Segment::table() const {
+  return std::atomic_load(&table_);
+}
+
+std::string Segment::locator() const {
+  const int fd = fd_.load();
+  return name_ + ":" + std::to_string(index_.load()) + ":" +
+         std::to_string(fd >= 0 ? creator_pid_ : 0) + ":" + std::to_string(fd);
+}
 
 int Segment::take_slot(uint64_t holder) {
-  Header* h = header();
+  SegmentHeader* h = header();
   for (int i = 0; i < kSlots; ++i) {
-    if (h->slots[i].load() != 0) continue;
+    if (h->slots[i].word.load() != 0) continue;
     uint32_t used = h->slots_used.load();
     const uint32_t wanted = static_cast<uint32_t>(i) + 1;
     while (used < wanted &&
            !h->slots_used.compare_exchange_weak(used, wanted)) {
     }
+    // A ticket names its own slot (layout.h).
+    const uint64_t word =
+        holder & kTicketBit
+            ? (holder & ~(kTicketSlotMask << kTicketSlotShift)) |
+                  (static_cast<uint64_t>(i) << kTicketSlotShift)
+            : holder;
     uint64_t expected = 0;
-    if (h->slots[i].compare_exchange_strong(expected, holder)) return i;
+    if (h->slots[i].word.compare_exchange_strong(expected, word)) return i;
   }
   return -1;
 }
@@ -186,66 +248,103 @@ int Segment::take_slot(uint64_t holder) {
 void Segment::release_slot(int slot, uint64_t holder) {
   if (slot < 0 || slot >= kSlots) return;
   uint64_t expected = holder;
-  if (!header()->slots[slot].compare_exchange_strong(expected, 0)) return;
+  if (!header()->slots[slot].word.compare_exchange_strong(expected, 0)) return;
   if (!has_live_holder()) unlink();
 }
 
-uint64_t Segment::issue_ticket(uint64_t channel) {
-  const uint64_t ticket = random_id(/*ticket=*/true);
-  const int slot = take_slot(ticket);
-  if (slot < 0) return 0;
-  // A reader may see the previous ticket's channel for an instant; the
-  // reaper judges a channel only after it stayed closed for a whole scan.
-  header()->channels[slot].store(channel);
+uint64_t Segment::issue_ticket(uint64_t channel, uint64_t writer) {
+  const uint64_t nonce = random_id() & kTicketNonceMask;
+  const uint64_t wanted =
+      kTicketBit | (writer ? kWritingBit : 0) | (nonce ? nonce : 1);
+  const int slot = take_slot(wanted);
+  if (slot < 0) {
+    pin();
+    return 0;
+  }
+  Slot& s = header()->slots[slot];
+  const uint64_t ticket = s.word.load();
+  // A reader may see the previous ticket's channel or writer for an
+  // instant; the keeper judges a ticket only after seeing the same word at
+  // two scans.
+  s.channel.store(channel);
+  s.writer.store(writer);
+  // After the ticket: the keeper clears a flag before it looks (table.h).
+  if (channel != 0) {
+    if (auto table = this->table()) table->flag(index(), kFlagTickets);
+  }
   return ticket;
 }
 
+Slot* Segment::ticket_slot(uint64_t ticket) const {
+  if (!(ticket & kTicketBit)) return nullptr;
+  const uint64_t slot = (ticket >> kTicketSlotShift) & kTicketSlotMask;
+  return slot < static_cast<uint64_t>(kSlots) ? &header()->slots[slot]
+                                              : nullptr;
+}
+
 int Segment::claim_ticket(uint64_t ticket, uint64_t holder) {
-  auto* slots = header()->slots;
-  for (int i = 0, end = scan_end(); i < end; ++i) {
-    uint64_t expected = ticket;
-    if (slots[i].load() == ticket &&
-        slots[i].compare_exchange_strong(expected, holder))
-      return i;
+  Slot* s = ticket_slot(ticket);
+  if (s == nullptr) return -1;
+  const uint64_t id = ticket & ~kWritingBit;
+  // A ticket the keeper found dead is not claimed: the load goes the way
+  // of a second load (a fresh slot and the generation check).
+  if (s->verdict.load() == id) return -1;
+  uint64_t word = s->word.load();
+  while ((word & ~kWritingBit) == id) {
+    if (s->word.compare_exchange_weak(word, holder))
+      return static_cast<int>(s - header()->slots);
   }
   return -1;
 }
 
 bool Segment::cancel_ticket(uint64_t ticket) {
-  auto* slots = header()->slots;
-  for (int i = 0, end = scan_end(); i < end; ++i) {
-    uint64_t expected = ticket;
-    if (slots[i].load() == ticket &&
-        slots[i].compare_exchange_strong(expected, 0))
-      return true;
+  Slot* s = ticket_slot(ticket);
+  if (s == nullptr) return false;
+  const uint64_t id = ticket & ~kWritingBit;
+  uint64_t word = s->word.load();
+  while ((word & ~kWritingBit) == id) {
+    if (s->word.compare_exchange_weak(word, 0)) return true;
   }
   return false;
 }
 
+bool Segment::mark_written(uint64_t ticket) {
+  Slot* s = ticket_slot(ticket);
+  if (s == nullptr) return false;
+  uint64_t expected = ticket | kWritingBit;
+  return s->word.compare_exchange_strong(expected, ticket & ~kWritingBit);
+}
+
 bool Segment::has_live_holder(int except_slot) {
-  auto* slots = header()->slots;
+  Slot* slots = header()->slots;
   for (int i = 0, end = scan_end(); i < end; ++i) {
-    uint64_t word = slots[i].load();
+    uint64_t word = slots[i].word.load();
     if (i == except_slot || word == 0) continue;
-    // A ticket the reaper found dead (its pipe is closed everywhere). A
-    // receiver that claimed it first turned the word into its own id, so
-    // this CAS then fails and the receiver keeps its slot.
+    // A ticket the keeper found dead (its pipe is closed everywhere, or its
+    // writer died mid-write). A receiver that claimed it first turned the
+    // word into its own id, so this CAS then fails and the receiver keeps
+    // its slot.
     const bool dead_ticket =
-        (word & kTicketBit) && header()->verdicts[i].load() == word;
+        (word & kTicketBit) && slots[i].verdict.load() == (word & ~kWritingBit);
     if (!dead_ticket && holder_alive(word)) return true;
-    slots[i].compare_exchange_strong(word, 0);  // a dead holder's slot
+    slots[i].word.compare_exchange_strong(word, 0);  // a dead holder's slot
   }
   return false;
 }
 
 bool Segment::reserve_for_reuse(int own_slot) {
-  if (views_.load() != 0 || has_live_holder(own_slot)) return false;
+  if (views_.load() != 0 || pinned() || has_live_holder(own_slot)) return false;
   header()->generation.fetch_add(1);
-  return !has_live_holder(own_slot);
+  return !has_live_holder(own_slot) && !pinned();
 }
 
+void Segment::pin() { header()->pinned.store(1); }
+
 void Segment::unlink() {
-  if (header()->unlinked.exchange(1) == 0) ::shm_unlink(name_.c_str());
+  if (header()->unlinked.exchange(1) != 0) return;
+  // After the change it announces (table.h).
+  if (auto table = this->table()) table->flag(index(), kFlagReleased);
+  close_fd();
 }
 
 uint8_t* Segment::data() const {
@@ -256,10 +355,12 @@ uint64_t Segment::generation() const { return header()->generation.load(); }
 
 bool Segment::unlinked() const { return header()->unlinked.load() != 0; }
 
+bool Segment::pinned() const { return header()->pinned.load() != 0; }
+
 int64_t Segment::holders() const {
   int64_t n = 0;
   for (int i = 0, end = scan_end(); i < end; ++i)
-    n += header()->slots[i].load() != 0;
+    n += header()->slots[i].word.load() != 0;
   return n;
 }
 
@@ -310,6 +411,16 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
 View* view_of(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return nullptr;
   return tensor.storage().data_ptr().cast_context<View>(&delete_view);
+}
+
+std::vector<std::shared_ptr<Segment>> segments_with_fd() {
+  std::lock_guard<std::mutex> guard(created_mutex);
+  std::vector<std::shared_ptr<Segment>> out;
+  for (const auto& weak : created) {
+    auto segment = weak.lock();
+    if (segment && segment->fd() >= 0) out.push_back(std::move(segment));
+  }
+  return out;
 }
 
 }  // namespace torchshm

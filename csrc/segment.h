@@ -1,66 +1,95 @@
-// A named POSIX shared-memory segment whose first pages record who holds it,
-// and the int8 torch tensors ("views") that expose its data.
+// A shared-memory segment: a sealed memfd whose first pages record who holds
+// it, and the int8 torch tensors ("views") that expose its data.
 //
 // Note [Segment lifetime]
-// Header: magic, capacity, the creator's id, a generation, an `unlinked` flag,
-// a watermark above which no slot was ever taken (scans stop there), and 336
-// holder slots. A slot holds one holder word (identity.h): a process
-// id, or a ticket (kTicketBit | nonce) for one message in flight. Beside each
-// slot: the pipe a ticket's message was written to (its inode, 0 if unknown)
-// and the reaper's verdict (a ticket word it found dead). Every change is one
-// compare-and-swap on one slot, so there is no count that a death in the
-// middle of an update could leave wrong: a slot names exactly who holds it,
-// and a holder whose lock is gone is dead, whoever asks.
+// Memory. A segment is an anonymous memfd, not a file in /dev/shm: its size
+// is bounded by the memory the process may use (its cgroup), never by the
+// /dev/shm mount (Docker and Kubernetes give that 64 MiB), it takes no room
+// that torch's own tensor sharing needs, it has no name another user could
+// take first, and F_SEAL_SHRINK/F_SEAL_GROW make truncating it (SIGBUS for
+// every reader) impossible. The kernel frees it when its last fd and
+// mapping go, so whatever dies, nothing outlives the processes using it.
 //
-// Who holds which slot:
-// - The creator takes slot 0 when it creates the segment: its pool's, or its
-//   view's when the pool is full.
-// - A sender issues a ticket into a free slot when the pickler writes the
-//   segment's reference, once per message (so a dumps nested in another gets
-//   its own). With every slot taken it sends no ticket: the receiver then
-//   loads as a second load does (below).
-// - A receiver claims the ticket: one CAS turns the ticket word into its own
-//   id, and its view owns that slot. A process already holding the segment
+// Who has an fd. The creator creates it and sends its fd to the session's
+// keeper (torchshm/_keeper.py, one process per session), which keeps it at
+// fd number fd_base + index, the segment's index in the session table
+// (table.h). A receiver opens /proc/<keeper>/fd/<fd_base + index> (no round
+// trip), or the creator's own fd the same way, or asks the keeper over its
+// socket in /dev/shm (another PID namespace, a restarted keeper); it checks
+// that what it opened is a sealed memfd of this user whose header carries
+// the segment's random uid, maps it and closes the fd: a live array costs a
+// mapping, never an fd. The creator keeps its fd while it keeps the segment
+// (so its in-flight messages survive a keeper's death), unless fds run low.
+// Cost of a first map (one-off, 2-core reference machine): ~18 us through
+// /proc against ~15 us for shm_open of a /dev/shm file; ~25 us through the
+// keeper's socket.
+//
+// Holders. Header: magic, capacity, creator id, uid, generation, flags, a
+// watermark above which no slot was ever taken, and 16384 holder slots
+// (only the pages of slots in use take memory). A slot holds one word: a
+// process id (identity.h), or a ticket for one message in flight (layout.h:
+// its slot, a random nonce and a "being written" bit). Beside it: the pipe
+// the ticket's message was written to, the writer, and the keeper's
+// verdict. Every change is one compare-and-swap on one word, so no death in
+// the middle of an update can leave a count wrong: a slot names exactly who
+// holds it, and a holder whose lock is gone is dead, whoever asks.
+// - The creator takes slot 0: its pool's, or its view's when the pool is
+//   full.
+// - A sender issues a ticket when the pickler writes the segment's
+//   reference, once per message. A ticket whose message goes into a known
+//   pipe carries the writer, marked "being written" until the write has
+//   returned (_channel.py); a message on this thread that starts while its
+//   predecessor's tickets are still being written cancels them (that message
+//   was never written).
+// - A receiver claims the ticket: one CAS turns the word into its own id,
+//   and its view owns that slot. A process holding the segment already
 //   cancels the ticket instead.
 // - A second load of the same bytes finds its ticket gone; it takes a fresh
-//   slot and then checks the generation the message carried. If the pool
-//   reused the memory meanwhile it fails with ESTALE naming the segment; it
-//   never sees other data.
-// - Before fork, the parent takes a slot for the child (under the child's id,
-//   made in advance) in each segment it has a live view of.
+//   slot and checks the generation the message carried: if the pool reused
+//   the memory meanwhile it fails with ESTALE naming the segment, never
+//   seeing other data.
+// - Before fork, the parent takes a slot for the child (under the child's
+//   id, made in advance) in each segment it has a live view of.
+// - Every slot taken (16384 messages in flight naming one segment, or
+//   holders): the sender sends without a ticket and pins the segment, a
+//   receiver maps it without a slot and pins it. A pinned segment is never
+//   reused and stays loadable until its session ends: no message is lost,
+//   whatever the fan-out; the price is that its memory lives that long.
 //
-// Who may reuse or unlink:
+// Who may reuse or close:
 // - Only the creator's pool overwrites a segment, and only when no view of
-//   it is alive in its process and no slot but its own names a live holder;
-//   it bumps the generation, then looks again (seq_cst on both sides, so a
-//   concurrent second load either sees the new generation or is seen).
+//   it is alive in its process, no slot but its own names a live holder and
+//   it is not pinned; it bumps the generation, then looks again (seq_cst on
+//   both sides, so a concurrent second load sees the new generation or is
+//   seen).
 // - Whoever releases a slot and finds no live holder left sets `unlinked`
-//   and unlinks the name; so does the session reaper (torchshm/_reaper.py)
-//   for segments of its session that no live holder names, and for all that
-//   is left when the session ends. A mapping stays valid after unlink: arrays
-//   already loaded keep reading their data; new loads fail with ENOENT.
+//   and flags the index in the table; within a second the keeper closes its
+//   fd. New loads then fail with ENOENT; arrays already loaded keep their
+//   mappings, and their data.
 //
 // What each death leaves, and for how long:
 // - A process that exits (multiprocessing's os._exit included) releases its
 //   slots in an exit finalizer and removes its lock file: nothing is left.
 // - A process killed by SIGKILL (or that skips finalizers) leaves slots
-//   naming a dead id: the pool looks past them and clears them (once a
-//   second at most), and the reaper unlinks what only the dead held within
-//   about a second. A forked child that execs loses its lock at exec: same.
-// - A ticket lives while its session does, or, when its message went into a
-//   pipe, only while some process of this user still has that pipe open:
-//   the reaper writes the ticket's word into its verdict slot once the pipe
-//   stayed closed everywhere for a whole scan, and from then on the ticket
-//   counts as dead (a receiver that claimed it first keeps it, since its
-//   claim changed the word). So a killed sender's messages stay loadable
-//   while they can still be read, and an epoch cut short frees its prefetched
-//   batches within seconds.
-// - A killed reaper: its session lock is free, so another session's reaper
-//   treats the session as dead and unlinks its segments that no live process
-//   holds (in-flight tickets included: such a message fails on load with
-//   ENOENT). Processes keep what they hold.
-// - Names are /torchshm_<session>_<process id>_<n>: unique for the machine's
-//   lifetime, so a cached mapping can never be mistaken for a new segment.
+//   naming a dead id: the pool looks past them (once a second at most), and
+//   the keeper, which sees the process's connection close, looks at every
+//   segment of the session within a second and closes what only the dead
+//   held. Holders from other sessions are looked at once a minute.
+// - A ticket lives until claimed, or while its message can still be read:
+//   the keeper judges the tickets of indices flagged in the table, and
+//   writes a verdict once its pipe stayed closed in every process of this
+//   user for a whole scan, or once its writer died before its write
+//   returned (a half-written message nobody can read; judged at two scans a
+//   second apart, so that a message written just before its writer's death
+//   is still read). Tickets whose pipe is unknown (bytes sent another way)
+//   live until the session ends.
+// - A killed keeper: its fds close with it, but creators keep theirs, so
+//   their in-flight messages still load. The next process that needs a
+//   keeper starts one under the same session id; every member notices
+//   within a second (the pool's once-a-second pass) and registers the
+//   segments it created again. A keeper ends its session only when no
+//   member is connected and no process of the session lives (their lock
+//   files say so), so it never closes what live processes send.
 //
 // Handles (torchshm.dumps / loads, torchshm/_handles.py) are messages meant
 // to be loaded many times, by any process of this user on this node:
@@ -68,7 +97,7 @@
 //   that takes its own slot and checks the generation) and pins every
 //   segment the handle names: the exporter keeps a view of each, so its pool
 //   never reuses them (the generation cannot change) and they are never
-//   unlinked while it lives. A fresh array is snapshotted once, at dumps.
+//   closed while it lives. A fresh array is snapshotted once, at dumps.
 // - The pins last while the exporter keeps the object (weakref.finalize),
 //   or, for objects that cannot be weakly referenced, until
 //   torchshm.release(handle) or its exit.
@@ -76,10 +105,10 @@
 //   cell segment of the exporter, cleared by release. A load first checks
 //   that the exporter's lock is held (holder_alive) and the token is still
 //   there, then loads; a release racing with a load is caught by the
-//   generation check or the name's absence. A load after release or exit
-//   fails with HandleError (ESTALE, or ENOENT where the names are gone or
-//   this process sees another /dev/shm) naming the exporter's pid, host and
-//   process id; never other data.
+//   generation check or the segment being closed. A load after release or
+//   exit fails with HandleError (ESTALE, or ENOENT where the exporter's
+//   session cannot be reached) naming the exporter's pid, host and process
+//   id; never other data.
 // - Decision: a loaded object keeps its memory after the exporter exits or
 //   releases. Its slot (and mapping) keep the data readable and the segment
 //   out of any pool; new loads of the handle fail all the same, even while
@@ -87,12 +116,10 @@
 // - torchshm.distributed.share_on_node uses one handle per node for the
 //   length of the call (released after a barrier); every rank then holds
 //   its own slot. Each rank is its own session: when the owner rank's
-//   session ends (it exits, or is killed, with its workers), its reaper
-//   unlinks the names. Ranks and workers that mapped the table keep reading
-//   it; a later message naming it (a new epoch's spawn workers) finds it
-//   `unlinked` and is snapshotted instead: correct, but a copy per message.
-// The fd is closed right after mmap: a live array costs a mapping, never an
-// fd.
+//   session ends, its keeper closes what no live process holds. Ranks and
+//   workers that mapped the table keep reading it; a later message naming a
+//   segment that is closed (unlinked) is snapshotted instead: correct, but a
+//   copy per message.
 #pragma once
 
 #include <torch/extension.h>
@@ -102,22 +129,29 @@
 #include <memory>
 #include <string>
 
-namespace torchshm {
+#include "layout.h"
+#include "table.h"
 
-constexpr size_t kHeaderBytes = 8192;  // two pages: data stays page-aligned
-constexpr int kSlots = 336;
+namespace torchshm {
 
 class Segment {
  public:
-  // Creates and maps a new segment with `capacity` data bytes; slot 0 holds
-  // `creator`. Every page is backed up front, by up to `threads` threads, so
-  // that a full tmpfs fails here with ENOSPC instead of SIGBUS on first write.
-  static std::shared_ptr<Segment> create(const std::string& name,
+  // Creates a sealed memfd with `capacity` data bytes; slot 0 holds
+  // `creator`, and its index is claimed in `table` (the creator's session's,
+  // named `session`). Every page is backed up front, by up to `threads`
+  // threads, so that a memory limit fails here, not on first write. The fd
+  // stays open (fd()) for the keeper's registration and receivers' /proc
+  // lookups until close_fd() or destruction.
+  static std::shared_ptr<Segment> create(const std::string& session,
+                                         std::shared_ptr<SessionTable> table,
                                          int64_t capacity, uint64_t creator,
                                          int threads = 1);
-  // Maps an existing segment without taking a slot. Refuses a file that is
-  // not a regular file of this user with mode 0600, or not a torchshm segment.
-  static std::shared_ptr<Segment> attach(const std::string& name);
+  // Maps the segment behind `fd` (the caller closes it) if it is segment
+  // `uid` of `session`: a sealed memfd of this user with a header that names
+  // that uid, not unlinked. ENOENT if it is gone, EACCES or EINVAL for
+  // anything else.
+  static std::shared_ptr<Segment> attach(int fd, const std::string& session,
+                                         uint64_t uid);
 
   ~Segment();
   Segment(const Segment&) = delete;
@@ -125,43 +159,72 @@ class Segment {
 
   // Puts `holder` in a free slot; -1 if every slot is taken.
   int take_slot(uint64_t holder);
-  // Frees `slot` if it still holds `holder`; unlinks the segment when no live
-  // holder remains.
+  // Frees `slot` if it still holds `holder`; unlinks the segment when no
+  // live holder remains.
   void release_slot(int slot, uint64_t holder);
-  // A new ticket in a free slot for a message written to pipe `channel`
-  // (an inode; 0 if unknown); 0 if every slot is taken.
-  uint64_t issue_ticket(uint64_t channel = 0);
+  // A new ticket for a message written to pipe `channel` (an inode; 0 if
+  // unknown) by process `writer` (0: no write to watch; else the ticket is
+  // marked "being written" until mark_written). 0 if every slot is taken:
+  // then the segment is pinned (see the Note).
+  uint64_t issue_ticket(uint64_t channel, uint64_t writer);
   // Turns `ticket` into `holder`; the slot, or -1 if the ticket is gone.
   int claim_ticket(uint64_t ticket, uint64_t holder);
   // Frees the ticket's slot; false if it was already claimed or never existed.
   bool cancel_ticket(uint64_t ticket);
-  // For the creator's pool: true if nothing but `own_slot` holds the segment
-  // and no local view is alive; then bumps the generation (see the Note).
+  // Clears the ticket's "being written" bit (its message is in the pipe);
+  // false if it was claimed or cancelled meanwhile.
+  bool mark_written(uint64_t ticket);
+  // For the creator's pool: true if nothing but `own_slot` holds the segment,
+  // no local view is alive and it is not pinned; then bumps the generation.
   bool reserve_for_reuse(int own_slot);
   // Whether any slot other than `except_slot` names a live holder; clears
   // the slots of dead ones on the way.
   bool has_live_holder(int except_slot = -1);
-  // Marks the segment unlinked and removes its name (idempotent).
+  // Never reused, never closed before the session ends (see the Note).
+  void pin();
+  // Marks the segment unlinked (no new attach) and tells the keeper.
   void unlink();
 
   uint8_t* data() const;
   int64_t capacity() const { return capacity_; }
   uint64_t generation() const;
   bool unlinked() const;
+  bool pinned() const;
   int64_t holders() const;  // non-empty slots, live or not
   int64_t local_views() const { return views_.load(); }
+  uint64_t uid() const { return uid_; }
+  const std::string& session() const { return session_; }
+  // torchshm:<session>:<uid>: what every process calls this segment.
   const std::string& name() const { return name_; }
+  // name:<index>:<creator pid>:<creator fd>: where a receiver finds it.
+  std::string locator() const;
+
+  int fd() const { return fd_.load(); }
+  void close_fd();
+  int index() const { return index_.load(); }
+  // The table that names this segment, and its index there (a restarted
+  // keeper's table when the segment is registered again).
+  void rebind(std::shared_ptr<SessionTable> table, int index);
+  std::shared_ptr<SessionTable> table() const;
 
  private:
   friend struct View;
-  Segment(std::string name, void* base, size_t mapped_bytes, int64_t capacity);
-  struct Header* header() const;
+  Segment(std::string session, uint64_t uid, void* base, size_t mapped_bytes,
+          int64_t capacity, int fd, pid_t creator_pid);
+  SegmentHeader* header() const;
   int scan_end() const;
+  Slot* ticket_slot(uint64_t ticket) const;
 
+  std::string session_;
+  uint64_t uid_;
   std::string name_;
   void* base_;
   size_t mapped_bytes_;
   int64_t capacity_;
+  std::atomic<int> fd_;
+  pid_t creator_pid_;  // this process's pid when it created the segment
+  std::atomic<int> index_{-1};
+  std::shared_ptr<SessionTable> table_;  // guarded by std::atomic_load/store
   std::atomic<int64_t> views_{0};
 };
 
@@ -186,5 +249,10 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
                        uint64_t holder);
 // The view behind a tensor's storage, or nullptr if it is not one of ours.
 View* view_of(const at::Tensor& tensor);
+
+// Segments this process created that still hold their fd (to register them
+// with a restarted keeper), and how many fds those are.
+std::vector<std::shared_ptr<Segment>> segments_with_fd();
+int64_t open_creator_fds();
 
 }  // namespace torchshm

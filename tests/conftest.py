@@ -20,7 +20,7 @@ os.environ.setdefault("TORCHSHM_THRESHOLD", "1")
 import pytest  # noqa: E402
 
 import torchshm  # noqa: E402
-from torchshm import _registry, _session  # noqa: E402
+from torchshm import _doctor, _registry, _session  # noqa: E402
 
 START_METHODS = ("fork", "spawn", "forkserver")
 TIMEOUT = 60
@@ -37,6 +37,7 @@ LEAK_GRACE = 10
 MULTIPROCESS_MODULES = {
     "test_allocator",
     "test_dataloader",
+    "test_fanout",
     "test_faults",
     "test_handles",
     "test_lifetime",
@@ -90,9 +91,18 @@ def ctx(request):
     return mp.get_context(request.param)
 
 
-def session_segments():
-    prefix = f"torchshm_{_session.session_id()}_"
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+def keeper_segments(session=None):
+    """{name: the keeper's report} of the segments a session's keeper holds
+    (default: this process's session); empty once the keeper is gone."""
+    report = _session.status(session)
+    if report is None:
+        return {}
+    return {f"torchshm:{report['session']}:{s['uid']}": s for s in report["segments"]}
+
+
+def session_segments(session=None):
+    """Names of the segments of a session that can still be loaded."""
+    return set(keeper_segments(session))
 
 
 def open_fds():
@@ -100,22 +110,16 @@ def open_fds():
 
 
 def segment_mappings():
-    """Lines of /proc/self/maps that map a torchshm segment file (unlinked
-    ones included: they read '... (deleted)')."""
+    """Lines of /proc/self/maps that map a torchshm segment."""
     with open("/proc/self/maps") as f:
-        return [line for line in f if "/dev/shm/torchshm_" in line]
+        return [line for line in f if _doctor.SEGMENT_MAPPING in line]
 
 
 def session_bytes(names=None):
-    """Bytes of /dev/shm that this session's segments take (allocated blocks,
-    not their nominal sizes)."""
-    total = 0
-    for name in session_segments() if names is None else names:
-        try:
-            total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
-        except FileNotFoundError:
-            pass
-    return total
+    """Memory that this session's segments take (allocated pages, not their
+    nominal sizes), as their keeper sees them."""
+    segments = keeper_segments()
+    return sum(s["bytes"] for n, s in segments.items() if names is None or n in names)
 
 
 def _leak_snapshot():

@@ -321,8 +321,13 @@ def kill_rounds(rounds, seed, messages=16):
             owners = [stats[SENDER_ID], stats[RECEIVER_ID]]
             if not killed:
                 owners.append(stats[PARENT_ID])
-            names = isolated.session_segments(_session.session_id())
-            early = [n for n in names if int(n.split("_")[2], 16) in owners]
+            # Released by their last holder, not swept after a death: the
+            # keeper closes them as soon as it looks (asked to look now).
+            _session.close_released()
+            report = isolated.session_report(_session.session_id())
+            early = [
+                n for n, seg in report.items() if int(seg["creator"], 16) in owners
+            ]
         row["early_leftovers"] = len(early)
         print(json.dumps(row), flush=True)
 
@@ -342,7 +347,7 @@ def kill_rounds(rounds, seed, messages=16):
             break
         time.sleep(0.1)
     totals["live_leftovers"] = len(left)
-    # What is left for the reaper to sweep once this process exits.
+    # What is left for the keeper to close once this process exits.
     totals["pending_sweep"] = len(left)
     yield totals
 
@@ -380,26 +385,27 @@ def unread():
     yield {"exitcodes": exitcodes, "segments": len(segments)}
 
 
-# ---------------------------------------------------------------- /dev/shm full
+# ---------------------------------------------------------------- a memory limit
 
-SPACE_ITEMS = [8 << 20] * 10 + [72 << 20]  # int64 bytes; 152 MiB in all
+LIMIT_ITEMS = 20  # of 8 MiB, kept by the consumer: more than the room (128 MiB)
 
 
 def space_array(i, nbytes):
     return np.arange(i, i + nbytes // 8, dtype=np.int64)
 
 
-def space_producer(items, control, report):
+def limit_producer(items, control, report):
+    # Warm, then wait for the driver to set the limit (tests/test_limits.py).
+    report.put({})
+    control.get(timeout=TIMEOUT)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, nbytes in enumerate(SPACE_ITEMS):
-            items.put((i, space_array(i, nbytes)))
+        for i in range(LIMIT_ITEMS):
+            items.put((i, space_array(i, 8 << 20)))
         # Once the consumer has dropped everything, there is room again.
         control.get(timeout=TIMEOUT)
-        items.put((len(SPACE_ITEMS), space_array(99, 8 << 20)))
+        items.put((LIMIT_ITEMS, space_array(99, 8 << 20)))
         items.put(None)
-        items.close()
-        items.join_thread()  # every item pickled inside catch_warnings
     report.put(
         {
             "warnings": [
@@ -412,45 +418,115 @@ def space_producer(items, control, report):
     )
 
 
-def space_consumer(items, control, report):
-    got = []
-    for _ in SPACE_ITEMS:
-        i, a = items.get(timeout=TIMEOUT)
-        got.append((i, a, np.array_equal(a, space_array(i, SPACE_ITEMS[i]))))
-    shared = [torchshm.is_shared(a) for _, a, _ in got]
-    equal = [ok for _, _, ok in got]
-    order = [i for i, _, _ in got]
-    del got, a
+def limit_consumer(items, control, report):
+    """Keeps every array that arrived shared (a pickled one would only fill
+    the room the test needs: it is checked and dropped)."""
+    report.put({})
+    kept, shared, equal, order = [], [], [], []
+    for _ in range(LIMIT_ITEMS):
+        i, a = items.get()
+        order.append(i)
+        equal.append(bool(np.array_equal(a, space_array(i, 8 << 20))))
+        shared.append(torchshm.is_shared(a))
+        if shared[-1]:
+            kept.append(a)
+        del a
+    del kept
     gc.collect()
     control.put("dropped")
-    i, last = items.get(timeout=TIMEOUT)
+    i, last = items.get()
     equal.append(np.array_equal(last, space_array(99, 8 << 20)))
     shared.append(torchshm.is_shared(last))
     order.append(i)
     del last
-    assert items.get(timeout=TIMEOUT) is None
+    assert items.get() is None
     report.put({"order": order, "equal": equal, "shared": shared})
 
 
-def space():
-    """A producer fills a small /dev/shm through a consumer that keeps every
-    array; run inside a private tmpfs (tests/test_limits.py)."""
+def collate_and_born():
+    """collate and the NumPy allocator, where no shared memory is left: each
+    falls back once, with a warning, and the data is right."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Small (the room left is under 1 MiB above the margin): what falls
+        # back costs little private memory.
+        samples = [np.full(1 << 17, float(k)) for k in range(4)]  # 1 MiB each
+        batch = torchshm.collate(samples)
+        with torchshm.allocating(min_bytes=1 << 20):
+            born = np.ones(1 << 18)
+    return {
+        "collate_shared": torchshm.is_shared(batch),
+        "collate_equal": bool(np.array_equal(batch, np.stack(samples))),
+        "born_shared": torchshm.is_shared(born),
+        "born_sum": float(born.sum()),
+        "collate_warnings": [
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, RuntimeWarning) and "torchshm" in str(w)
+        ],
+    }
+
+
+def _limit_own_cgroup(room):
+    """Sets this process's memory cgroup (made for it by the test) to its
+    usage now plus `room` bytes; returns the limit."""
+    from torchshm import _memory
+
+    version, directory = _memory._cgroup_dirs()[0]
+    assert version == 1, "tests/isolated.py makes v1 memory cgroups"
+    with open(os.path.join(directory, "memory.usage_in_bytes")) as f:
+        limit = int(f.read()) + room
+    with open(os.path.join(directory, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    return limit
+
+
+def memory_limit(room):
+    """A producer sends 8 MiB arrays to a consumer that keeps every one, in a
+    memory cgroup with `room` bytes above this process's usage (run inside a
+    fresh one, and inside a 64 MiB /dev/shm: tests/test_limits.py). What fits
+    is shared, the rest is pickled, nothing is lost, nobody is killed; then,
+    with the limit reached again, collate and the allocator fall back."""
+    torchshm.trim()
+    gc.collect()
+    results = {}
     ctx = mp.get_context("fork")
-    items, control, report = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    producer = ctx.Process(target=space_producer, args=(items, control, report))
-    consumer = ctx.Process(target=space_consumer, args=(items, control, report))
+    # A SimpleQueue pickles in put(): the producer holds one array at a time
+    # (a Queue's buffer would hold all of them until its feeder sends them).
+    items, control, report = ctx.SimpleQueue(), ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=limit_producer, args=(items, control, report))
+    consumer = ctx.Process(target=limit_consumer, args=(items, control, report))
     producer.start()
     consumer.start()
-    results = {}
+    for _ in range(2):
+        report.get(timeout=TIMEOUT)  # both started: what they cost is counted
+    results["limit"] = _limit_own_cgroup(int(room))
+    control.put("go")
     for _ in range(2):
         results.update(report.get(timeout=TIMEOUT))
     for p in (producer, consumer):
         p.join(TIMEOUT)
     results["exitcodes"] = [producer.exitcode, consumer.exitcode]
+    # Once what the children held is closed (the keeper does it within a
+    # second), fill the room here until a send falls back, then ask collate
+    # and the allocator for more.
+    torchshm.trim()
+    deadline = time.monotonic() + TIMEOUT
+    while isolated.session_report(_session.session_id()):
+        assert time.monotonic() < deadline, "the children's segments stayed"
+        time.sleep(0.05)
+    ballast = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while len(ballast) < 1024:
+            ballast.append(torchshm.share(np.ones(1 << 17)))  # 1 MiB
+            if not torchshm.is_shared(ballast[-1]):
+                break
+    results["ballast_fell_back"] = not torchshm.is_shared(ballast[-1])
+    results.update(collate_and_born())
+    del ballast
     st = os.statvfs(isolated.SHM_DIR)
-    results["shm_total"] = st.f_blocks * st.f_frsize
     results["shm_used"] = (st.f_blocks - st.f_bfree) * st.f_frsize
-    results["segments"] = isolated.session_segments(_session.session_id())
     yield results
 
 
@@ -475,9 +551,8 @@ def torch_share(report):
 
 def idle_senders():
     """Three senders of one session go idle with their pools full; torch's own
-    share_memory_() must still find room: one budget for the session (a
-    quarter of /dev/shm) bounds what they keep. Run inside a private 64 MiB
-    tmpfs (tests/test_limits.py)."""
+    share_memory_() must still find room: torchshm's pools take none of
+    /dev/shm. Run inside a private 64 MiB tmpfs (tests/test_limits.py)."""
     ctx = mp.get_context("fork")
     outbox, report = ctx.Queue(), ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(3)]
@@ -504,7 +579,7 @@ def idle_senders():
     yield results
 
 
-# ------------------------------------------------- born arrays, /dev/shm full
+# ------------------------------------------------- born arrays, small /dev/shm
 
 BORN_ITEMS = 12  # of 8 MiB: 96 MiB, more than the 64 MiB /dev/shm holds
 
@@ -515,9 +590,9 @@ def born_receiver(inbox, report):
 
 
 def born_full():
-    """Arrays made under allocating() until /dev/shm is full: the rest are
-    NumPy's own memory, and every array still arrives intact. Run inside a
-    private 64 MiB tmpfs (tests/test_allocator.py)."""
+    """Arrays made under allocating(), more of them than a 64 MiB /dev/shm
+    holds: every one is born shared (segments are memfds) and arrives intact.
+    Run inside a private 64 MiB tmpfs (tests/test_allocator.py)."""
     ctx = mp.get_context("fork")
     before = torchshm.stats()
     with warnings.catch_warnings(record=True) as caught:
@@ -549,11 +624,85 @@ def born_full():
     }
 
 
+# ---------------------------------------------------------------- a killed keeper
+
+RESTART_MESSAGES = 120
+
+
+def steady_sender(q, go_on):
+    """Sends RESTART_MESSAGES fresh arrays, one every 25 ms, then waits."""
+    for i in range(RESTART_MESSAGES):
+        q.put((i, np.full(50_000, float(i))))
+        time.sleep(0.025)
+    q.close()
+    q.join_thread()
+    go_on.wait(TIMEOUT)
+
+
+def late_joiner(report):
+    """A process of the session that starts after its keeper died: it starts
+    a new one, sends one array and exits."""
+    report.put((os.getpid(), np.full(50_000, -1.0)))
+
+
+def keeper_restart():
+    """The session's keeper is SIGKILLed while a sender writes; a later
+    process starts a new keeper and exits; the sender goes on. The receiver
+    (this process, reading late) must get every message, and the session
+    must keep a keeper while its processes live."""
+    ctx = mp.get_context("fork")
+    q, go_on = ctx.Queue(), ctx.Event()
+    sender = ctx.Process(target=steady_sender, args=(q, go_on))
+    sender.start()
+    time.sleep(0.5)  # some messages sent, more to come
+    first = _session.keeper_pid()
+    os.kill(first, signal.SIGKILL)
+    spawn = mp.get_context("spawn")
+    report = spawn.Queue()
+    late = spawn.Process(target=late_joiner, args=(report,))
+    late.start()
+    late_pid, late_array = report.get(timeout=TIMEOUT)
+    late.join(TIMEOUT)
+    # Long enough for a keeper that wrongly ended the session to close what
+    # the live sender wrote meanwhile.
+    time.sleep(3 * _keeper_module().GRACE_SECONDS)
+    got, bad, errors = [], 0, []
+    for _ in range(RESTART_MESSAGES):
+        try:
+            i, a = q.get(timeout=TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        got.append(i)
+        bad += not (torchshm.is_shared(a) and (a == float(i)).all())
+    go_on.set()
+    sender.join(TIMEOUT)
+    keepers = [
+        p for p in isolated.session_processes(-1, _session.session_id()) if p != first
+    ]
+    yield {
+        "received": got,
+        "bad": bad,
+        "errors": errors,
+        "late_ok": bool((late_array == -1.0).all()),
+        "late_exitcode": late.exitcode,
+        "sender_exitcode": sender.exitcode,
+        "keepers_after": len(keepers),
+    }
+
+
+def _keeper_module():
+    from torchshm import _keeper
+
+    return _keeper
+
+
 SCENARIOS = {
     "born_full": born_full,
     "kill": kill_rounds,
     "unread": unread,
-    "space": space,
+    "memory_limit": memory_limit,
+    "keeper_restart": keeper_restart,
     "idle_senders": idle_senders,
 }
 

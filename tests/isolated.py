@@ -2,14 +2,16 @@
 
 A driver is `python -m tests.fault_children SCENARIO ...` started without
 TORCHSHM_SESSION, so it founds a fresh session: every segment it or its
-descendants create is named `torchshm_<session>_*`, and its reaper is the one
-`_reaper.py <session>` process. The driver prints `session <id>` first, then
+descendants create is held by that session's keeper, the one
+`_keeper.py <session>` process. The driver prints `session <id>` first, then
 one JSON object per line. It runs in a new process session (setsid), so its
 descendants are found by session id even after they are orphaned.
 """
 
+import contextlib
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -18,9 +20,11 @@ import sys
 import tempfile
 import time
 
+from torchshm import _memory, _session
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM_DIR = "/dev/shm"
-# The reaper sweeps 2 s after the last process of a session is gone; allow for
+# The keeper sweeps 2 s after the last process of a session is gone; allow for
 # orphans still finishing their work and a loaded machine.
 GRACE = 30
 
@@ -102,12 +106,18 @@ class Driver:
         self.close()
 
 
+def session_report(session):
+    """{name: the keeper's report} of a session's segments; empty once its
+    keeper is gone (then nothing of it can be loaded, and its memory is freed
+    as soon as the processes mapping it are gone)."""
+    report = _session.status(session)
+    if report is None:
+        return {}
+    return {f"torchshm:{session}:{s['uid']}": s for s in report["segments"]}
+
+
 def session_segments(session):
-    prefix = f"torchshm_{session}_"
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-    except OSError:
-        return []
+    return sorted(session_report(session))
 
 
 def _stat(pid):
@@ -130,7 +140,7 @@ def _cmdline(pid):
 
 def session_processes(sid, session=None):
     """Live processes of process session `sid` (the driver's tree), plus the
-    reaper of torchshm session `session` (it runs in a process session of its
+    keeper of torchshm session `session` (it runs in a process session of its
     own)."""
     found = []
     for entry in os.listdir("/proc"):
@@ -141,24 +151,22 @@ def session_processes(sid, session=None):
         if stat is None:
             continue
         argv = _cmdline(pid)
-        is_reaper = (
+        is_keeper = (
             session is not None
             and len(argv) >= 2
-            and argv[-2].endswith(b"_reaper.py")
+            and argv[-2].endswith(b"_keeper.py")
             and argv[-1] == session.encode()
         )
-        if stat[1] == sid or is_reaper:
+        if stat[1] == sid or is_keeper:
             found.append(pid)
     return found
 
 
 def leftovers(driver, grace=GRACE, shm=True):
     """(segments, processes) of the driver's session once its processes, the
-    reaper last, are gone, or after `grace` seconds. The segments are read as
-    soon as the reaper has exited (it sweeps, then exits), so that a reaper
-    of another session sweeping ours as an orphan later cannot hide a miss.
-    shm=False skips /dev/shm (a driver in another mount namespace checks its
-    own)."""
+    keeper last, are gone, or after `grace` seconds. A segment is left only
+    while its keeper lives; shm=False skips asking (a driver in another mount
+    namespace has its keeper's socket in its own /dev/shm)."""
     deadline = time.monotonic() + grace
     while True:
         procs = session_processes(driver.proc.pid, driver.session)
@@ -192,3 +200,44 @@ SMALL_SHM = (
     "sh",
 )
 NO_UNSHARE = _unshare_skip_reason()
+
+
+def _memory_cgroup_parent():
+    """(version, the directory of this process's memory cgroup) where a child
+    cgroup can be made with a memory limit, or (None, why not)."""
+    if os.geteuid() != 0:
+        return None, "making a memory cgroup needs root"
+    for version, directory in _memory._cgroup_dirs():
+        if version == 1 and os.access(directory, os.W_OK):
+            return 1, directory
+    return None, "no writable cgroup v1 memory hierarchy (cgroup v2 needs delegation)"
+
+
+NO_MEMORY_CGROUP = _memory_cgroup_parent()[0] is None and _memory_cgroup_parent()[1]
+
+
+@contextlib.contextmanager
+def memory_limited():
+    """A wrapper command that runs its command in a fresh memory cgroup (its
+    limit is the driver's to set: tests/fault_children.py), removed
+    afterwards, once its processes are gone."""
+    _version, parent = _memory_cgroup_parent()
+    path = os.path.join(parent, f"torchshm-test-{secrets.token_hex(4)}")
+    os.mkdir(path)
+    try:
+        yield (
+            "sh",
+            "-c",
+            f'echo $$ > {path}/cgroup.procs && exec "$@"',
+            "sh",
+        )
+    finally:
+        deadline = time.monotonic() + GRACE
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)

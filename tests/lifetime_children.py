@@ -26,7 +26,7 @@ def make_segments_and_wait(outbox, count, nbytes):
     held = [
         torchshm.share(np.full(nbytes // 8, i, dtype=np.float64)) for i in range(count)
     ]
-    names = sorted({_C.segment_of(a.base).name.lstrip("/") for a in held})
+    names = sorted({_C.segment_of(a.base).name for a in held})
     outbox.put(names)
     time.sleep(120)
 
@@ -87,3 +87,30 @@ class Items:
 
 def put_and_exit(queue, n):
     queue.put(np.full(n, 6.0))
+
+
+def fanout_receiver(queue, outbox, start, pause, count):
+    """Reads `count` (i, table) messages once `start` is set, `pause` seconds
+    apart, dropping each after checking it: every message needs its own
+    ticket (this process does not keep the table mapped)."""
+    start.wait(120)
+    got, bad = [], 0
+    for _ in range(count):
+        i, table = queue.get(timeout=120)
+        bad += not (
+            torchshm.is_shared(table) and table[i % table.size] == i % table.size
+        )
+        got.append(i)
+        del table
+        if pause:
+            time.sleep(pause)
+    outbox.put((sorted(got), bad))
+
+
+def send_then_wait(conn, nbytes, value, ready):
+    """Sends one array through `conn` (blocking while its pipe is full), says
+    so, and waits to be killed."""
+    ready.put("sending")
+    conn.send(np.full(nbytes // 8, float(value)))
+    ready.put("sent")
+    time.sleep(120)

@@ -236,17 +236,3 @@ def test_workers_register_when_main_imports_torchshm_late(
     for registered, init, shared in samples:
         assert registered is expected and shared is expected
         assert (init is not None) == (mode == "worker_init_fn")
-
-
-def test_collate_without_shared_memory_falls_back_with_a_warning(monkeypatch):
-    from torchshm import _dataloader, _segments
-
-    def full(nbytes):
-        raise RuntimeError("No space left on device")
-
-    monkeypatch.setattr(_segments, "allocate", full)
-    monkeypatch.setattr(_dataloader, "_warned", False)
-    with pytest.warns(RuntimeWarning, match="No space left"):
-        batch = torchshm.collate([np.ones(10), np.zeros(10)])
-    assert not torchshm.is_shared(batch)
-    np.testing.assert_array_equal(batch, [np.ones(10), np.zeros(10)])

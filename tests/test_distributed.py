@@ -18,10 +18,10 @@ import time
 import pytest
 
 from tests.test_handles import ROOT, child_env, wait_gone
+from torchshm import _doctor
 
 WORLD = 4
 TABLE = 512 << 20
-SHM_PREFIX = "/dev/shm/torchshm_"
 
 
 def free_port():
@@ -87,22 +87,6 @@ def wait_files(status_dir, name, ranks, procs, seconds):
     return found
 
 
-def shm_pss_bytes(pid):
-    """PSS of a process's torchshm mappings (its /dev/shm/torchshm_* files,
-    unlinked ones included)."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if not fields:
-                continue
-            if "-" in fields[0] and not fields[0].endswith(":"):
-                inside = len(fields) >= 6 and fields[5].startswith(SHM_PREFIX)
-            elif fields[0] == "Pss:" and inside:
-                total += int(fields[1]) * 1024
-    return total
-
-
 def run_job(tmp_path, mode, kill_rank=None):
     """(PSS of torchshm memory over all ranks and workers / table, sessions)."""
     status = tmp_path / mode
@@ -114,7 +98,7 @@ def run_job(tmp_path, mode, kill_rank=None):
         sessions = {r["session"] for r in ready.values()}
         pids = [p for r in ready.values() for p in [r["pid"], *r["workers"]]]
         assert len(set(pids)) == WORLD * 3
-        pss = sum(shm_pss_bytes(pid) for pid in pids)
+        pss = sum(_doctor.segment_pss(pid) for pid in pids)
         if kill_rank is not None:
             procs[kill_rank].send_signal(signal.SIGKILL)
             procs[kill_rank].wait(30)

@@ -123,3 +123,17 @@ def test_messages_never_received_are_reclaimed_when_the_processes_are_gone():
         assert result["segments"] > 0
         # ...and once it is gone, they are swept.
         _assert_nothing_left(driver)
+
+
+def test_a_killed_keeper_is_replaced_without_losing_a_message():
+    with isolated.Driver("keeper_restart") as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+        assert result["errors"] == []
+        assert result["received"] == list(range(fault_children.RESTART_MESSAGES))
+        assert result["bad"] == 0 and result["late_ok"]
+        assert result["late_exitcode"] == 0 and result["sender_exitcode"] == 0
+        # A new keeper served the live session to its end.
+        assert result["keepers_after"] == 1
+        _assert_nothing_left(driver)

@@ -1,4 +1,4 @@
-"""Limits (GitHub issue 5): file descriptors, a small /dev/shm, threads."""
+"""Limits: file descriptors, a small /dev/shm, a memory limit, threads."""
 
 import multiprocessing as mp
 import threading
@@ -8,7 +8,7 @@ import pytest
 
 import torchshm
 from tests import fault_children, isolated
-from tests.isolated import NO_UNSHARE, SMALL_SHM
+from tests.isolated import NO_MEMORY_CGROUP, NO_UNSHARE, SMALL_SHM
 from tests.conftest import TIMEOUT
 
 
@@ -30,40 +30,58 @@ def test_a_consumer_under_ulimit_n_64_keeps_500_arrays(no_leaks, child):
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
-def test_a_full_dev_shm_falls_back_without_sigbus_or_loss():
-    with isolated.Driver("space", wrapper=SMALL_SHM) as driver:
-        lines, status = driver.results()
-        assert status == 0, driver.stderr()
-        (result,) = lines
-        assert result["shm_total"] == 64 << 20
-        items = len(fault_children.SPACE_ITEMS) + 1
-        assert result["exitcodes"] == [0, 0], "a child died (-7 is SIGBUS)"
-        assert result["order"] == list(range(items)), "an item was lost"
-        assert all(result["equal"])
-        shared = result["shared"]
-        # What fit was shared; the rest, at least the 72 MiB item, fell back...
-        assert shared[0] and not shared[-2] and shared.count(False) >= 1
-        assert result["fallbacks"] == {"no space in /dev/shm": shared.count(False)}
-        # ...with one warning that names the cause.
-        (warning,) = result["warnings"]
-        assert "pickling it by value" in warning
-        # Freed space is usable again, and no partial segment was left behind.
-        assert shared[-1]
-        assert result["segments"] == []
-        assert result["shm_used"] < 1 << 20
-        _, processes = isolated.leftovers(driver, shm=False)
-        assert not processes, f"processes left after {isolated.GRACE} s: {processes}"
+@pytest.mark.skipif(bool(NO_MEMORY_CGROUP), reason=str(NO_MEMORY_CGROUP))
+def test_a_memory_limit_falls_back_without_loss_or_oom_kill():
+    """In Docker's 64 MiB /dev/shm and a memory cgroup: /dev/shm bounds
+    nothing, the cgroup's limit does, and reaching it pickles by value, with
+    one warning that names the limit, never an OOM kill or a lost item."""
+    with isolated.memory_limited() as cgroup:
+        with isolated.Driver(
+            "memory_limit", str(128 << 20), wrapper=cgroup + SMALL_SHM
+        ) as driver:
+            lines, status = driver.results()
+            assert status == 0, driver.stderr()
+            (result,) = lines
+            assert result["exitcodes"] == [0, 0], "a child died (-9: the OOM killer)"
+            items = fault_children.LIMIT_ITEMS + 1
+            assert result["order"] == list(range(items)), "an item was lost"
+            assert all(result["equal"])
+            shared = result["shared"]
+            # What fit was shared (far more than a 64 MiB /dev/shm holds would
+            # allow with its other users); the rest fell back...
+            assert shared[0] and shared.count(False) >= 1, shared
+            assert result["fallbacks"] == {"out of memory": shared.count(False)}
+            # ...with one warning that names the limit and the fix.
+            (warning,) = result["warnings"]
+            assert "pickling it by value" in warning
+            assert "memory cgroup limit" in warning and "--memory" in warning
+            # Memory freed is usable again.
+            assert shared[-1]
+            # collate and the allocator do without, with data intact.
+            assert result["ballast_fell_back"]
+            assert not result["collate_shared"] and result["collate_equal"]
+            assert not result["born_shared"] and result["born_sum"] == 1 << 18
+            assert any(
+                "stacking it in ordinary memory" in w
+                for w in result["collate_warnings"]
+            )
+            assert any("NumPy allocates" in w for w in result["collate_warnings"])
+            assert result["shm_used"] < 1 << 20  # nothing of torchshm in /dev/shm
+            _, processes = isolated.leftovers(driver, shm=False)
+            assert (
+                not processes
+            ), f"processes left after {isolated.GRACE} s: {processes}"
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
-def test_idle_senders_leave_room_for_torch_in_a_64_mib_dev_shm():
+def test_idle_senders_leave_all_of_a_64_mib_dev_shm_to_torch():
     with isolated.Driver("idle_senders", wrapper=SMALL_SHM) as driver:
         lines, status = driver.results()
         assert status == 0, driver.stderr()
         (result,) = lines
         assert result["exitcodes"] == [0, 0, 0]
-        # The session's pools keep at most a quarter of /dev/shm between them.
-        assert result["idle_used"] <= (16 << 20) + (1 << 20), result
+        # The session's pools are memfds: none of /dev/shm.
+        assert result["idle_used"] < 1 << 20, result
         assert result["torch_exitcode"] == 0, "torch's share_memory_ died (-7: SIGBUS)"
         assert result["torch_sum"] == fault_children.TORCH_SHARE_BYTES // 4
 
@@ -111,3 +129,4 @@ def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks
         q.close()
         if kind == "Queue" or q is outbox:
             q.join_thread()
+

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import torchshm
-from torchshm import _sender
 from tests import cases
 from tests.conftest import stats_delta
 
@@ -211,29 +210,27 @@ def test_plain_pickle_stays_by_value():
     assert not torchshm.is_shared(pickle.loads(data))
 
 
-def test_a_full_dev_shm_falls_back_by_errno(monkeypatch):
-    """The reason is decided by the error's errno, never by its text."""
-    from torchshm import _segments
+def test_which_failures_mean_fall_back_is_decided_by_errno():
+    """Never by the error's text (torchshm._fallback): every SharedMemoryError
+    is an expected failure, anything else a bug. A real limit that makes a
+    send fall back is in test_limits.py."""
+    from torchshm import _fallback
 
-    def no_space(nbytes):
-        raise torchshm._C.SharedMemoryError(errno.ENOSPC, "words that say nothing")
-
-    # Nothing idle in the pool, so the send must allocate (pooled segments are
-    # taken without calling allocate: Note [Segment pool]).
-    torchshm.trim()
-    monkeypatch.setattr(_segments, "allocate", no_space)
-    monkeypatch.setattr(_sender, "_warned", set())
-    a = np.arange(100_000)
-    before = torchshm.stats()
-    with pytest.warns(RuntimeWarning, match="pickling it by value"):
-        received = roundtrip(a)
-    np.testing.assert_array_equal(received, a)
-    delta = stats_delta(before)
-    assert delta["fallbacks"] == {"no space in /dev/shm": 1}
+    error = torchshm._C.SharedMemoryError
+    assert _fallback.reason(error(errno.ENOMEM, "no words")) == ("out of memory", True)
+    assert _fallback.reason(error(errno.EMFILE, "")) == ("too many open files", True)
+    assert _fallback.reason(error(errno.EUSERS, "")) == (
+        "shared-memory error: EUSERS",
+        True,
+    )
+    assert _fallback.reason(RuntimeError("No space left on device")) == (
+        "internal error: RuntimeError",
+        False,
+    )
 
 
 def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
-    from torchshm import _segments
+    from torchshm import _fallback, _segments
 
     def broken(nbytes):
         raise RuntimeError("No space left on device")  # text must not matter
@@ -242,7 +239,7 @@ def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
     # taken without calling allocate: Note [Segment pool]).
     torchshm.trim()
     monkeypatch.setattr(_segments, "allocate", broken)
-    monkeypatch.setattr(_sender, "_warned", set())
+    monkeypatch.setattr(_fallback, "_warned", set())
     a = np.arange(100_000)
     before = torchshm.stats()
     with pytest.warns(RuntimeWarning, match="report this as a bug"):

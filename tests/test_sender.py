@@ -11,7 +11,7 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
-from torchshm import _C, _reduction, _sender
+from torchshm import _C, _fallback, _reduction, _sender
 
 SMALL = [
     np.arange(10),
@@ -149,7 +149,7 @@ def test_the_plan_answers_where_memory_lives():
     a = np.arange(100_000.0)
     message = _C.Message()
     owner, name, args = message.place(a)
-    assert name.startswith("/torchshm_") and args[0] % _sender.ALIGNMENT == 0
+    assert name.startswith("torchshm:") and args[0] % _sender.ALIGNMENT == 0
     again = _reduction.rebuild_ndarray(owner, *args)
     np.testing.assert_array_equal(again, a)
     # Memory in a segment is named, not copied: a view of it, in a new message.
@@ -174,7 +174,7 @@ def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):
     # taken without calling allocate: Note [Segment pool]).
     torchshm.trim()
     monkeypatch.setattr(_segments, "allocate", wrong)
-    monkeypatch.setattr(_sender, "_warned", set())
+    monkeypatch.setattr(_fallback, "_warned", set())
     a = np.arange(100_000)
     with pytest.warns(RuntimeWarning, match="report this as a bug"):
         received = pickle.loads(ForkingPickler.dumps(a))

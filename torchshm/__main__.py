@@ -1,5 +1,6 @@
 """`python -m torchshm [--json] [--no-check]`: the diagnostic report for bug
-reports (see torchshm/_diagnostics.py)."""
+reports (torchshm/_diagnostics.py); `python -m torchshm doctor` and
+`python -m torchshm ls` (torchshm/_doctor.py)."""
 
 import sys
 

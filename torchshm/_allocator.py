@@ -9,12 +9,10 @@ whatever is current by then.
 """
 
 import contextlib
-import warnings
 from typing import Iterator, Optional
 
-from torchshm import _config, _segments, _stats
+from torchshm import _config, _fallback, _segments, _stats
 from torchshm._compat import load_native
-from torchshm._sender import _FALLBACK_REASONS
 
 _C = load_native()
 
@@ -27,8 +25,9 @@ def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
 
     A born array is shared like a torch tensor after share_memory_(): what
     the sender writes to it after sending, receivers that still hold it see.
-    When /dev/shm cannot take an allocation, NumPy's own memory is used
-    (one warning, counted in stats()["allocations_fallback"])."""
+    When shared memory cannot take an allocation (a memory limit), NumPy's
+    own memory is used (one warning, counted in
+    stats()["allocations_fallback"])."""
     previous = _C.swap_numpy_handler(_handler(min_bytes))
     try:
         yield
@@ -66,9 +65,6 @@ def _handler(min_bytes):
     return _C.make_born_handler(min_bytes, _C.current_numpy_handler())
 
 
-_warned = set()
-
-
 def _source(nbytes):
     """Called by the handler: (segment tensor, reused) for a block of nbytes,
     or None to let NumPy allocate it. Never raises: an exception here would
@@ -76,22 +72,12 @@ def _source(nbytes):
     try:
         block = _segments.allocate_block(nbytes)
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        # The reasons a send falls back for; one warning per reason.
-        reason = _FALLBACK_REASONS.get(getattr(exc, "errno", None))
-        if reason is None or not isinstance(exc, _C.SharedMemoryError):
-            reason = f"internal error: {type(exc).__name__}"
-            message = f"unexpected {exc!r}. Please report this as a bug"
-        else:
-            message = str(exc)
         _stats.add("allocations_fallback")
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(
-                f"torchshm: could not allocate {nbytes} bytes in shared memory"
-                f" ({message}); NumPy allocates in its own memory instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        _fallback.fall_back(
+            exc,
+            f"allocating {nbytes} bytes in shared memory",
+            "NumPy allocates in its own memory instead",
+        )
         return None
     _stats.add("allocations_shared")
     return block

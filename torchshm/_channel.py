@@ -11,6 +11,14 @@ reaper looks for in /proc/*/fd; a socket's two ends have two.
 The frames are walked natively when a segment reference is written
 (current_channel in csrc/message.cpp); which frames, and how each finds its
 Connection, is decided here and handed over by configure().
+
+A ticket for a message into a known pipe is marked "being written" until the
+write returns (Note [Segment lifetime]): a writer killed in the middle leaves
+a message nobody can read, and the keeper frees what only it held. Every
+multiprocessing write of a message ends in Connection._send_bytes, in the
+thread that pickled it, so configure() wraps that one method: after it
+returns the thread's tickets are written, after it raises they are
+cancelled. With no ticket pending, the wrapper costs one native call.
 """
 
 import os
@@ -60,8 +68,21 @@ def _pipe_inode(conn):
     return st.st_ino if stat.S_ISFIFO(st.st_mode) else 0
 
 
+def _send_bytes_then_mark(self, buf, _send_bytes=connection.Connection._send_bytes):
+    """Connection._send_bytes, then the end of the thread's message's write."""
+    try:
+        _send_bytes(self, buf)
+    except BaseException:
+        _C.message_not_written()
+        raise
+    _C.message_written()
+
+
 def configure():
-    """Hands the writer frames to the native walk (at import of _reduction)."""
+    """Hands the writer frames to the native walk, and wraps the method that
+    writes every message (at import of _reduction, once)."""
     _C.configure_channel(
         writers=_WRITERS, pipe_inode=_pipe_inode_of, max_depth=_MAX_DEPTH
     )
+    if connection.Connection._send_bytes is not _send_bytes_then_mark:
+        connection.Connection._send_bytes = _send_bytes_then_mark

@@ -188,19 +188,19 @@ def copy_threads():
 
 @functools.lru_cache(maxsize=None)
 def _default_cap():
-    """A quarter of /dev/shm, at most 4 GiB: the default for both caches.
-    Read once: it is asked whenever a segment is made or a mapping goes idle."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return 0
-    return min(st.f_blocks * st.f_frsize // 4, 4 << 30)
+    """A quarter of the memory this process may have (its cgroup's limit, or
+    the machine's), at most 4 GiB: the default for both caches. Not /dev/shm:
+    segments are memfds (Note [Segment lifetime]). Read once: it is asked
+    whenever a segment is made or a mapping goes idle."""
+    from torchshm import _memory
+
+    return min(_memory.total_memory() // 4, 4 << 30)
 
 
 def pool_bytes():
     """Cap on the shared memory a session's senders keep pooled for reuse, all
-    processes together (TORCHSHM_POOL_BYTES; default a quarter of /dev/shm, at
-    most 4 GiB; 0 turns pooling off)."""
+    processes together (TORCHSHM_POOL_BYTES; default a quarter of the memory
+    this process may have, at most 4 GiB; 0 turns pooling off)."""
     return _env_setting_at_use("TORCHSHM_POOL_BYTES", _default_cap())
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from torchshm import _allocator, _config, _registry, _segments
+from torchshm import _allocator, _config, _fallback, _registry, _segments
 from torchshm._compat import load_native
 
 T = TypeVar("T")
@@ -183,8 +183,12 @@ def _stack_all(jobs):
     if total and total >= _config.get_threshold() and _registry.is_registered():
         try:
             owner = _segments.allocate(total)
-        except RuntimeError as exc:  # /dev/shm full: a batch in plain memory
-            _warn_once(f"torchshm.collate: no shared memory for a batch ({exc})")
+        except Exception as exc:  # noqa: BLE001 - a batch in plain memory instead
+            _fallback.fall_back(
+                exc,
+                "collating a batch in shared memory",
+                "stacking it in ordinary memory",
+            )
     if owner is None:
         return [np.stack(s).astype(d, copy=False) for s, d in jobs]
     stacked = []
@@ -194,16 +198,6 @@ def _stack_all(jobs):
         np.stack(samples, out=out, casting="same_kind")
         stacked.append(out)
     return stacked
-
-
-_warned = False
-
-
-def _warn_once(message):
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message + "; stacking it in ordinary memory", RuntimeWarning)
 
 
 def _c_strides(shape, itemsize):

@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 import torchshm
-from torchshm import _config, _registry
+from torchshm import _config, _memory, _registry
 
 ROUND_TRIP_BYTES = 64 << 20
 TIMEOUT = 120
+
+
+_CAP_DEFAULT = "default (1/4 of the memory this process may have, at most 4 GiB)"
 
 
 def _source(env, default="default"):
@@ -40,9 +43,7 @@ def _settings():
             "name": "pool cap",
             "value": _config.pool_bytes(),
             "unit": "bytes",
-            "source": _source(
-                "TORCHSHM_POOL_BYTES", "default (1/4 of /dev/shm, at most 4 GiB)"
-            ),
+            "source": _source("TORCHSHM_POOL_BYTES", _CAP_DEFAULT),
         },
         {
             "name": "pool idle time",
@@ -54,10 +55,7 @@ def _settings():
             "name": "mapping cache cap",
             "value": _config.mapping_cache_bytes(),
             "unit": "bytes",
-            "source": _source(
-                "TORCHSHM_MAPPING_CACHE_BYTES",
-                "default (1/4 of /dev/shm, at most 4 GiB)",
-            ),
+            "source": _source("TORCHSHM_MAPPING_CACHE_BYTES", _CAP_DEFAULT),
         },
         {
             "name": "copy threads",
@@ -150,6 +148,7 @@ def report(check=True):
         "torch": {"running": torch.__version__, "built_for": _C.built_with_torch},
         "numpy": {"running": np.__version__, "built_for": _C.built_with_numpy},
         "dev_shm": _dev_shm(),
+        "memory_bound": dict(zip(("room", "by", "limit"), _memory.bound())),
         "settings": _settings(),
         "registered": _registry.is_registered(),
         "registration_source": _source("TORCHSHM_DISABLE", "import torchshm"),
@@ -189,6 +188,12 @@ def format_report(info):
         lines.append(f"/dev/shm unreadable: {shm['error']}")
     else:
         lines.append(f"/dev/shm {_size(shm['size'])}, {_size(shm['free'])} free")
+    bound = info["memory_bound"]
+    lines.append(
+        f"memory   {_size(bound['room'])} left for shared memory, bounded by"
+        f" {bound['by']} (torchshm does not use /dev/shm: `python -m torchshm"
+        " doctor`)"
+    )
     lines.append("settings:")
     for s in info["settings"]:
         lines.append(f"  {s['name']:<18} {_value(s)}  [{s['source']}]")
@@ -219,13 +224,24 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(
         prog="python -m torchshm",
-        description="Prints torchshm's diagnostic report (paste it into a bug report).",
+        description=(
+            "Prints torchshm's diagnostic report (paste it into a bug report);"
+            " `doctor`: what bounds shared memory here, the live sessions and"
+            " what a container needs; `ls`: this user's segments."
+        ),
+    )
+    parser.add_argument(
+        "command", nargs="?", default="report", choices=("report", "doctor", "ls")
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--no-check", action="store_true", help="skip the spawn round trip"
     )
     args = parser.parse_args(argv)
+    if args.command != "report":
+        from torchshm import _doctor
+
+        return _doctor.main(args.command, args.json)
     info = report(check=not args.no_check)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     rt = info.get("round_trip")

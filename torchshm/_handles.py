@@ -51,7 +51,8 @@ _exports = {}  # token -> _Export
 
 class HandleError(OSError):
     """A handle that can no longer be loaded: its exporter released it or
-    exited, or this process does not see the exporter's /dev/shm. `.errno` is
+    exited, or this process cannot reach the exporter's session (another
+    host, or a container that does not share its /dev/shm). `.errno` is
     ESTALE (released, exporter gone) or ENOENT (nothing by that name here)."""
 
 
@@ -145,7 +146,7 @@ def dumps(obj: Any) -> bytes:
         export.finalizer.atexit = False
     except TypeError:
         pass  # not weakly referenceable: until release() or exit
-    header = (FORMAT, _exporter(), cell.name, cell.generation, index, token)
+    header = (FORMAT, _exporter(), cell.locator, cell.generation, index, token)
     return pickle.dumps(_HandleData(header, payload), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -248,9 +249,10 @@ def _load(header, payload):
             raise HandleError(
                 errno.ENOENT,
                 f"torchshm: handle exported by {who} cannot be loaded here:"
-                f" its shared memory is gone from this process's /dev/shm (the"
-                f" exporter exited, or this is another host or container;"
-                f" this is pid {os.getpid()} on {socket.gethostname()})",
+                f" its shared memory cannot be reached from this process (the"
+                f" exporter's session ended, or this is another host, or a"
+                f" container that does not share its /dev/shm; this is pid"
+                f" {os.getpid()} on {socket.gethostname()})",
             ) from None
         if exc.errno == errno.ESTALE:
             raise _released(who) from None

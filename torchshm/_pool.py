@@ -27,30 +27,16 @@ _THOROUGH_SCAN_SECONDS = 1.0
 
 
 class SessionBudget:
-    """What the session's live processes pool, in one small shared file
-    (csrc/budget.h): each process records its own pool's size."""
-
-    def __init__(self):
-        self._budget = None
-
-    def _file(self):
-        if self._budget is None:
-            path = f"/dev/shm/torchshm-budget-{_session.session_id()}.shm"
-            self._budget = _C.Budget.open(path)
-        return self._budget
+    """What the session's live processes pool, in the session table that the
+    keeper made (csrc/table.h): each process records its own pool's size.
+    Nobody else can name it, so nobody else can disable it."""
 
     def others(self, mine):
-        """Bytes the session's other live processes pool (0 if unknown)."""
-        try:
-            return max(0, self._file().total() - mine)
-        except OSError:
-            return 0
+        """Bytes the session's other live processes pool."""
+        return max(0, _session.table().budget_total() - mine)
 
     def record(self, nbytes):
-        try:
-            self._file().set(_C.process_id(), nbytes)
-        except OSError:
-            pass
+        _session.table().budget_set(_C.process_id(), nbytes)
 
 
 class Pool:
@@ -87,6 +73,7 @@ class Pool:
         thorough = now >= self._next_thorough_scan
         if thorough:
             self._next_thorough_scan = now + _THOROUGH_SCAN_SECONDS
+            _session.check()  # a keeper that died is replaced within a second
             self.release_idle(older_than=_config.pool_idle_seconds())
         owner = self.native.take(nbytes, thorough)
         self._arm()

@@ -52,10 +52,10 @@ def message_token():
     return None
 
 
-def attach_segment(name, ticket=0, generation=0):
+def attach_segment(locator, ticket=0, generation=0):
     """Unpickles a SegmentRef (csrc/message.h): maps the segment and claims
     the message's ticket (once per message; see Note [Segment lifetime])."""
-    return _segments.attach(name, ticket, generation)
+    return _segments.attach(locator, ticket, generation)
 
 
 class _MessageToken:
@@ -78,8 +78,8 @@ def reference_without_ticket(obj: Any) -> Optional[Tuple[Any, Any]]:
     keeps its generation); else None."""
     if type(obj) is not _C.SegmentRef:
         return None
-    generation = _C.segment_of(obj.owner).generation
-    return obj.owner, (attach_segment, (obj.name, 0, generation))
+    segment = _C.segment_of(obj.owner)
+    return obj.owner, (attach_segment, (segment.locator, 0, segment.generation))
 
 
 _C.configure_wire(

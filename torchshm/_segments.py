@@ -6,32 +6,42 @@ the pool is armed, and records them in _live as allocate does (Note [Segment
 pool] in csrc/pool.h). A sender's segments come from its pool (_pool.py) and
 are reused once idle; a receiver keeps the mappings of segments whose arrays
 it dropped, so that a segment the sender reuses is not faulted in again. See
-Note [Segment lifetime] in csrc/segment.h for the holder protocol.
+Note [Segment lifetime] in csrc/segment.h for the holder protocol, and for
+where a receiver finds a segment's fd (_open).
 """
 
 import collections
 import errno
-import itertools
 import os
+import sys
 import threading
 import time
 import weakref
 from multiprocessing import util
 
-from torchshm import _config, _pool, _session, _stats
+from torchshm import _config, _memory, _pool, _session, _stats
 from torchshm._compat import load_native
 
 _C = load_native()
 
+# A segment is never larger than this (a size class of anything larger
+# would overflow; no machine has the memory anyway).
+MAX_SEGMENT_BYTES = 1 << 56
+# A creator keeps its own fd of each segment (Note [Segment lifetime]) while
+# it holds fewer than this share of its fd limit; beyond, the keeper's is the
+# only one.
+CREATOR_FD_SHARE = 0.25
+
 _lock = threading.RLock()
-_counter = itertools.count()
 _pool_segments = _pool.Pool()
+_exiting = False  # set by the exit finalizer: no thread may start after it
 # name -> weak ref to this process's live view tensor: a segment arriving again
 # reuses it, so arrays over it stay aliased (torch's shared_cache does the same).
 _live = {}
 # Mappings without live views, kept for reuse: name -> Segment, oldest first.
 _idle_mappings = collections.OrderedDict()
 _idle_bytes = 0
+_live_prune_at = 64  # _live is pruned when it grows past this (see _remember)
 # The sender's plan takes pooled segments itself while the pool is armed
 # (Note [Segment pool] in csrc/pool.h), and records their views in _live.
 _C.configure_sender_pool(pool=_pool_segments.native, live=_live)
@@ -46,6 +56,10 @@ def allocate(nbytes):
 def allocate_block(nbytes):
     """(allocate(nbytes), whether the memory was used before: a fresh
     segment's bytes are zero, a reused one's are not)."""
+    if not 0 <= nbytes <= MAX_SEGMENT_BYTES:
+        raise _C.SharedMemoryError(
+            errno.ENOMEM, f"torchshm: no segment can hold {nbytes} bytes"
+        )
     with _lock:
         _expiry.resume()
         owner = _pool_segments.take(nbytes)
@@ -56,19 +70,21 @@ def allocate_block(nbytes):
         else:
             pooled = True
             _stats.add("segments_reused")
-        _live[name_of(owner)] = weakref.ref(owner)
+        _remember(name_of(owner), owner)
         if pooled:
             _expiry.ensure()
     return owner, not fresh
 
 
-def attach(name, ticket, generation):
-    """The int8 tensor over segment `name`, claiming the message's ticket.
+def attach(locator, ticket, generation):
+    """The int8 tensor over the segment `locator` names (Segment.locator),
+    claiming the message's ticket.
 
     A message loaded a second time finds its ticket claimed: it takes a slot
     of its own, valid only while the segment still holds the generation the
     message was written in (Note [Segment lifetime] in csrc/segment.h)."""
     _session.join()
+    name, where = parse_locator(locator)
     me = _C.process_id()
     with _lock:
         _expiry.resume()
@@ -82,7 +98,7 @@ def attach(name, ticket, generation):
             return owner
         segment = _pool_segments.get(name) or _take_idle_mapping(name)
         if segment is None:
-            segment = _C.Segment.attach(name)
+            segment = _open(*where)
             _stats.add("segments_attached")
         else:
             _stats.add("mappings_reused")
@@ -90,18 +106,69 @@ def attach(name, ticket, generation):
         if slot < 0:
             slot = segment.take_slot(me)
             if slot < 0:
-                raise _C.SharedMemoryError(
-                    errno.EUSERS,
-                    f"torchshm: every holder slot of segment {name} is taken",
-                )
+                # Every slot taken: hold it by the mapping alone, which a
+                # pinned segment keeps valid (Note [Segment lifetime]).
+                segment.pin()
             try:
                 _check_generation(segment, generation)
             except BaseException:
                 segment.release_slot(slot, me)
                 raise
         owner = segment.tensor(slot, me)
-        _live[name] = weakref.ref(owner, _keeper(name, segment, slot))
+        _remember(name, owner, _on_last_view(name, segment, slot))
         return owner
+
+
+def parse_locator(locator):
+    """(name, (session, uid, index, creator pid, creator fd)) of a
+    Segment.locator: torchshm:<session>:<uid hex>:<index>:<pid>:<fd>."""
+    try:
+        tag, session, uid, index, pid, fd = locator.split(":")
+        if tag != "torchshm":
+            raise ValueError(tag)
+        where = (session, int(uid, 16), int(index), int(pid), int(fd))
+    except ValueError:
+        raise _C.SharedMemoryError(
+            errno.EINVAL, f"torchshm: {locator!r} does not name a segment"
+        ) from None
+    return f"{tag}:{session}:{uid}", where
+
+
+def _open(session, uid, index, creator_pid, creator_fd):
+    """Maps segment `uid` of `session`, from the first place that has it: the
+    keeper's fd (through /proc: no round trip), the creator's, or the
+    keeper's socket (another PID namespace; a keeper that restarted)."""
+    own = session == _session.session_id()
+    table = _session.table() if own else _session.foreign_table(session)
+    places = []
+    keeper = _session.keeper_pid(session)
+    if keeper and table is not None and 0 <= index < table.capacity:
+        places.append(f"/proc/{keeper}/fd/{table.fd_base + index}")
+    if creator_pid > 0 and creator_fd >= 0:
+        places.append(f"/proc/{creator_pid}/fd/{creator_fd}")
+    for path in places:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            segment = _C.Segment.attach(fd, session, uid)
+        except _C.SharedMemoryError as exc:
+            if exc.errno == errno.ENOENT:
+                raise  # it is there, and closed: nowhere else has it either
+            continue  # that fd number now holds something else
+        finally:
+            os.close(fd)
+        break
+    else:
+        fd = _session.fetch(session, uid, index)
+        try:
+            segment = _C.Segment.attach(fd, session, uid)
+        finally:
+            os.close(fd)
+        table = _session.table() if own else _session.foreign_table(session)
+    segment.rebind(table, index)  # so that its flags reach its keeper
+    return segment
 
 
 def _check_generation(segment, generation):
@@ -130,11 +197,12 @@ def name_of(tensor):
 def trim() -> int:
     """Releases pooled segments and cached mappings that nothing uses now.
 
-    Returns the bytes of /dev/shm the pool gave back."""
+    Returns the bytes of shared memory the pool gave back."""
     with _lock:
         freed = _pool_segments.release_idle()
         _drop_idle_mappings(0)
         _prune_live()
+    _session.close_released()
     return freed
 
 
@@ -153,14 +221,37 @@ def disown_all():
 
 
 def _create(capacity):
+    _memory.check(capacity)
     me = _C.process_id()
-    name = f"{_session.segment_prefix()}{me:016x}_{next(_counter)}"
-    segment = _C.Segment.create(name, capacity, me, _config.copy_threads())
+    segment = _C.Segment.create(
+        _session.session_id(), _session.table(), capacity, me, _config.copy_threads()
+    )
+    _session.register(segment)
+    if _C.open_creator_fds() > CREATOR_FD_SHARE * _fd_limit():
+        segment.close_fd()
     _stats.add("segments_created")
     return segment
 
 
-def _keeper(name, segment, slot):
+def _fd_limit():
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _remember(name, owner, callback=None):
+    """Records this process's live view of a segment. Entries whose view died
+    are dropped when the table has doubled since the last pass, so that it
+    stays within twice the live views (a sender that does not pool makes a
+    segment per message)."""
+    global _live_prune_at
+    _live[name] = weakref.ref(owner, callback)
+    if len(_live) > _live_prune_at:
+        _prune_live()
+        _live_prune_at = max(64, 2 * len(_live))
+
+
+def _on_last_view(name, segment, slot):
     """When a received segment's last view dies, keep its mapping for reuse,
     unless nobody else holds it: then the view's release (which runs right
     after this callback) unlinks it, and a cached mapping would only pin its
@@ -172,7 +263,9 @@ def _keeper(name, segment, slot):
             if _live.get(name) is not None and _live[name]() is None:
                 del _live[name]
             if (
-                not segment.unlinked
+                not _exiting
+                and not sys.is_finalizing()
+                and not segment.unlinked
                 and name not in _idle_mappings
                 and segment.has_live_holder(slot)
             ):
@@ -229,7 +322,12 @@ class _Expiry:
         self._stop = threading.Event()
 
     def ensure(self):
-        """Starts the thread if it is not running (call with _lock held)."""
+        """Starts the thread if it is not running (call with _lock held).
+        Never once this process is exiting: during interpreter finalization
+        Thread.start() does not return (an array freed then, with a module's
+        globals, would hang the exit)."""
+        if _exiting or sys.is_finalizing():
+            return
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(
@@ -314,6 +412,8 @@ def _after_fork_in_child():
     _lock = threading.RLock()  # another thread may have held it at fork
     _expiry = _Expiry()  # threads do not survive fork
     _C.after_fork_in_child()
+    _C.forget_written_tickets()  # the parent's messages, not ours
+    _session.after_fork_in_child()
     adopted = {}
     if _for_child:
         me = _C.process_id()
@@ -337,6 +437,8 @@ def _at_exit():
 
 
 def _exit():
+    global _exiting
+    _exiting = True
     disown_all()
     _C.remove_own_lock()
     _session.leave()

@@ -10,15 +10,13 @@ every failure, to `fall_back`. The numbers below, and the threshold, are
 pushed into the native side by `configure()` whenever they change.
 """
 
-import errno
-import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _segments, _stats
+from torchshm import _config, _fallback, _segments, _stats
 from torchshm._compat import load_native, untyped_storage
 from torchshm._reduction import (
     rebuild_empty,
@@ -57,42 +55,15 @@ def reduce_ndarray(array):
 
 
 def fall_back(array, exc):
-    """numpy's own reduce of an array that shared memory could not take.
-
-    Failures that mean "shared memory cannot take this now" (a full /dev/shm,
-    no fds left...) warn once per reason; anything else is a torchshm bug,
-    which still falls back (a reducer that raises in a Queue's feeder thread
-    loses the message) but says so."""
-    if isinstance(exc, _C.SharedMemoryError):
-        reason = _FALLBACK_REASONS.get(exc.errno)
-        if reason is None:
-            reason = f"shared-memory error: {errno.errorcode.get(exc.errno, exc.errno)}"
-        _warn_once(
-            f"torchshm: could not share an array ({exc}); pickling it by value", reason
-        )
-    else:
-        reason = f"internal error: {type(exc).__name__}"
-        _warn_once(
-            f"torchshm: unexpected {type(exc).__name__} while sharing an array"
-            f" ({exc}); pickling it by value. Please report this as a bug.",
-            reason,
-        )
-    _stats.fallback(reason)
+    """numpy's own reduce of an array that shared memory could not take (what
+    that means, and the one warning: torchshm._fallback). A reducer that
+    raises in a Queue's feeder thread would lose the message."""
+    _fallback.fall_back(exc, "sharing an array", "pickling it by value")
     return array.__reduce__()
 
 
 # The reducer registered with ForkingPickler (see the module's docstring).
 REDUCER = _C.reduce_ndarray
-
-# errno -> the stats() key of a failure that means "fall back to pickling".
-_FALLBACK_REASONS = {
-    errno.ENOSPC: "no space in /dev/shm",
-    errno.ENOMEM: "out of memory",
-    errno.EMFILE: "too many open files",
-    errno.ENFILE: "too many open files",
-    errno.EACCES: "/dev/shm not writable",
-    errno.EROFS: "/dev/shm not writable",
-}
 
 
 def _allocate(nbytes):
@@ -183,15 +154,6 @@ def _over_torch_storage(array, message):
             storage_args,
         ) + _C.view_args(array, offset)
     return message.share(array, copy=True)
-
-
-_warned = set()
-
-
-def _warn_once(message, key):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 configure()

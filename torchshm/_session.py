@@ -1,28 +1,42 @@
-"""Session membership: every process that may hold torchshm memory.
+"""Session membership: every process that may hold torchshm memory, and its
+line to the session's keeper (_keeper.py, Note [Segment lifetime] in
+csrc/segment.h).
 
 A session is the process tree of the first process that imported torchshm. Its
-id travels in the environment (spawn and forkserver children inherit it) and
-names every segment, so the session reaper (_reaper.py) can free what a dead
-process held while the session goes on, and sweep what unreceived messages
-left behind once the whole tree is gone. A process that inherits the id but
-cannot reach the session's reaper (another network namespace) while the
-session still lives, as its lock file shows, founds a session of its own.
+id travels in the environment (spawn and forkserver children inherit it).
+Every member holds one connection to the keeper, through a socket in /dev/shm
+that any network namespace sharing this /dev/shm reaches; the keeper sees a
+member die when that connection closes. Forked children connect anew.
+
+Through this module a process registers the segments it creates (their fds go
+to the keeper), opens the segments others created, and asks a keeper for a
+status report. A keeper that died is replaced: the next process that needs
+one starts it under the same session id, and every member joins it again,
+registering what it created (rejoin()).
 """
 
+import errno
 import os
 import secrets
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 
-from torchshm import _reaper
+from torchshm import _keeper
 from torchshm._compat import load_native
 
+_C = load_native()
+
 ENV_VAR = "TORCHSHM_SESSION"
-_lock = threading.Lock()
-_connection = None  # kept open for the process's lifetime; fork children share it
+_lock = threading.RLock()  # joining, and every request on the connection
+_connection = None  # this process's member connection
 _session = None
+_table = None  # the session table (csrc/table.h)
+_keeper_pid = 0  # 0: not visible from this PID namespace
+_foreign = {}  # session -> (table, keeper pid) of sessions we fetched from
 
 
 def session_id():
@@ -30,72 +44,274 @@ def session_id():
     return _session
 
 
-def segment_prefix():
-    """The start of every segment name of this session."""
-    return f"/{_reaper.SEGMENT_PREFIX}{session_id()}_"
+def table():
+    join()
+    return _table
 
 
 def join():
-    """Connects this process to its session's reaper, starting one if needed."""
-    global _connection, _session
+    """Connects this process to its session's keeper, starting one if needed."""
     if _connection is not None:
         return
     with _lock:
-        if _connection is not None:
-            return
-        session = os.environ.get(ENV_VAR)
-        conn = _connect(session) if session else None
-        if conn is None and session and _reaper.session_alive(session):
-            # Alive, but its reaper is out of reach (another network
-            # namespace over the same /dev/shm): never share its name.
-            session = None
+        if _connection is None:
+            _join(os.environ.get(ENV_VAR))
+
+
+def _join(session):
+    global _connection, _session, _table, _keeper_pid
+    conn = _connect(session) if session else None
+    if conn is None:
+        # First process of the tree, or its keeper died: start one. A keeper
+        # that cannot serve this id (another user's files under its names)
+        # exits at once: then a new session.
+        for candidate in (session, None) if session else (None,):
+            candidate = candidate or secrets.token_hex(6)
+            _start_keeper(candidate)
+            conn = _connect(candidate)
+            if conn is not None:
+                session = candidate
+                break
         if conn is None:
-            # First process of the tree, or its reaper was killed: start one.
-            session = session or secrets.token_hex(6)
-            _start_reaper(session)
-            conn = _connect(session)
-            if conn is None:
-                raise RuntimeError(
-                    f"torchshm: the session reaper for {session} did not start;"
-                    " shared memory would not be cleaned up, so torchshm stays off"
-                )
-        os.environ[ENV_VAR] = session
-        _session, _connection = session, conn
-        # This process's id and lock: made now, not inside the first send.
-        load_native().process_id()
+            raise RuntimeError(
+                "torchshm: the session keeper did not start; shared memory"
+                " would not be cleaned up, so torchshm stays off"
+            )
+    table_fd = _request(conn, b"J " + f"{_C.process_id():x}".encode())[1]
+    try:
+        _table = _C.SessionTable.map(table_fd[0])
+    finally:
+        for fd in table_fd:
+            os.close(fd)
+    os.environ[ENV_VAR] = session
+    _C.set_lock_session(session)
+    _keeper_pid = _peer_pid(conn)
+    _session, _connection = session, conn
 
 
 def leave():
-    """Closes this process's connection to the reaper (it is exiting)."""
+    """Closes this process's connection to the keeper (it is exiting)."""
     global _connection
     conn, _connection = _connection, None
     if conn is not None:
         conn.close()
 
 
-def _connect(session):
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def keeper_pid(session=None):
+    """The pid of a session's keeper as this process sees it (0: unknown, or
+    in another PID namespace)."""
+    if session is None or session == _session:
+        return _keeper_pid
+    found = _foreign.get(session)
+    return found[1] if found else 0
+
+
+def register(segment):
+    """Hands a new segment's fd to the keeper (no reply: the keeper serves
+    requests in order, and a fetch waits for registrations queued on other
+    connections). Rejoins a keeper that died, once."""
+    message = f"R {segment.index} {segment.uid:x}".encode()
+    with _lock:
+        try:
+            socket.send_fds(_connection, [message], [segment.fd])
+            return
+        except OSError:
+            pass
+        rejoin()  # registers `segment` too: it holds its fd
+
+
+def rejoin():
+    """Joins the session's keeper again after it died (a new one, with a new
+    table) and registers every segment this process created and still holds
+    an fd of."""
+    global _connection
+    with _lock:
+        old, _connection = _connection, None
+        if old is not None:
+            old.close()
+        _join(_session)
+        for segment in _C.segments_with_fd():
+            index = _table.claim(segment.uid)
+            segment.rebind(_table, index)
+            try:
+                socket.send_fds(
+                    _connection,
+                    [f"R {index} {segment.uid:x}".encode()],
+                    [segment.fd],
+                )
+            except OSError:
+                pass
+
+
+def check():
+    """Rejoins if the keeper died (its connection reads as closed). Called
+    about once a second, by the pool's thorough pass; skipped while another
+    thread waits for a reply on the connection."""
+    if not _lock.acquire(blocking=False):
+        return
     try:
-        conn.connect(_reaper.address(session))
-    except OSError:
-        conn.close()
+        conn = _connection
+        if conn is None:
+            return
+        try:
+            ready = select.select([conn], [], [], 0)[0]
+        except (OSError, ValueError):
+            ready = [conn]
+        if ready:  # a member is never sent anything unasked: EOF
+            rejoin()
+    finally:
+        _lock.release()
+
+
+def close_released():
+    """Has the keeper close, before this returns, every segment that has been
+    let go (it does so within a second anyway): torchshm.trim() means now."""
+    with _lock:
+        try:
+            _request(_connection, b"C")
+        except OSError:
+            pass  # a keeper that died is replaced at the next request
+
+
+def fetch(session, uid, index):
+    """An fd of segment `uid` of `session`, from its keeper's socket (the
+    caller closes it); raises SharedMemoryError(ENOENT) if the keeper has
+    none. Remembers the table of another session, so that this process can
+    flag that session's segments as its members do."""
+    message = f"F {index} {uid:x}".encode()
+    if session == session_id():
+        with _lock:
+            try:
+                reply, fds = _request(_connection, message)
+            except OSError:
+                rejoin()
+                reply, fds = _request(_connection, message)
+    else:
+        conn = _connect(session)
+        if conn is None:
+            raise _gone(session, uid, "its session's keeper is gone")
+        try:
+            reply, fds = _request(conn, message)
+            if len(fds) == 2 and session not in _foreign:
+                _foreign[session] = (_C.SessionTable.map(fds[1]), _peer_pid(conn))
+        finally:
+            conn.close()
+    for fd in fds[1:]:
+        os.close(fd)
+    if reply != b"f 0" or not fds:
+        raise _gone(session, uid, "its keeper does not hold it any more")
+    return fds[0]
+
+
+def foreign_table(session):
+    found = _foreign.get(session)
+    return found[0] if found else None
+
+
+def status(session=None):
+    """The keeper's report on a session (default: this one) as a dict, or
+    None if its keeper is gone."""
+    import json
+
+    session = session or session_id()
+    conn = _connect(session)
+    if conn is None:
         return None
-    return conn
+    try:
+        _, fds = _request(conn, b"S")
+    finally:
+        conn.close()
+    (fd,) = fds
+    try:
+        size = os.fstat(fd).st_size
+        return json.loads(os.pread(fd, size, 0))
+    finally:
+        os.close(fd)
 
 
-def _start_reaper(session):
-    # A new process session: a Ctrl-C to the foreground group must not kill the
-    # reaper before it sweeps.
+def _gone(session, uid, why):
+    return _C.SharedMemoryError(
+        errno.ENOENT,
+        f"torchshm: segment {uid:016x} of session {session} is gone ({why}):"
+        " its sender's session ended, or every process holding it let it go",
+    )
+
+
+def _request(conn, message):
+    """Sends one request and returns (reply, fds)."""
+    conn.send(message)
+    reply, fds, _flags, _addr = socket.recv_fds(conn, 64, 2)
+    if not reply:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionResetError(errno.ECONNRESET, "the keeper is gone")
+    return reply, fds
+
+
+def _connect(session):
+    """A connection to a session's keeper, or None. Only a keeper of this user
+    is trusted (its socket is in a directory every user can write)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(_keeper.socket_path(session))
+        if _peer_uid(conn) == os.geteuid():
+            return conn
+    except OSError:
+        pass
+    conn.close()
+    return None
+
+
+def _peer_creds(conn):
+    return struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    )
+
+
+def _peer_uid(conn):
+    return _peer_creds(conn)[1]
+
+
+def _peer_pid(conn):
+    return _peer_creds(conn)[0]
+
+
+def _start_keeper(session):
+    # A new process session: a Ctrl-C to the foreground group must not kill
+    # the keeper before it sweeps.
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", _reaper.__file__, session],
+        [sys.executable, "-I", "-S", _keeper.__file__, session],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    # One byte once it listens; EOF if it failed.
+    # One byte once it listens; EOF if it failed (or another keeper serves).
     proc.stdout.read(1)
     proc.stdout.close()
-    # The reaper outlives us by design; drop the Popen so Python does not warn
+    # The keeper outlives us by design; drop the Popen so Python does not warn
     # that a child is still running when this object is collected.
     proc.returncode = 0
+
+
+def after_fork_in_child():
+    """A forked child is a member of its own: its death must be seen. It keeps
+    the inherited table and connects anew (the keeper answers nothing to "j").
+    Called by _segments' fork protocol (Note [Fork]), after the child got its
+    own process id."""
+    global _lock, _connection
+    _lock = threading.RLock()
+    _foreign.clear()
+    inherited, _connection = _connection, None
+    if inherited is None:
+        return
+    inherited.close()  # the parent's, which stays open there
+    conn = _connect(_session)
+    if conn is None:
+        return  # the keeper is gone: the first request rejoins
+    try:
+        conn.send(b"j " + f"{_C.process_id():x}".encode())
+    except OSError:
+        conn.close()
+        return
+    _connection = conn

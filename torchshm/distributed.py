@@ -18,10 +18,9 @@ anyway makes a copy of its own, with one warning.
 """
 
 import os
-import warnings
 from typing import Any, Callable, Optional
 
-from torchshm import _handles, _share
+from torchshm import _fallback, _handles, _share
 
 __all__ = ["node_key", "share_on_node"]
 
@@ -97,10 +96,11 @@ def share_on_node(
         try:
             value = _handles.loads(messages[owner][0])
         except Exception as exc:  # noqa: BLE001 - the others wait at the barrier
-            _warn_once(
+            _fallback.warn_once(
+                "share_on_node",
                 f"torchshm.share_on_node: rank {me} could not load the copy of"
                 f" rank {owner} ({type(exc).__name__}: {exc}); using a copy of its"
-                " own"
+                " own",
             )
             value = _share.share(obj if obj is not None else build())
     # Every rank holds its own view now: the handle is no longer needed.
@@ -108,13 +108,3 @@ def share_on_node(
     if handle is not None:
         _handles.release(handle)
     return value
-
-
-_warned = False
-
-
-def _warn_once(message):
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, RuntimeWarning, stacklevel=3)

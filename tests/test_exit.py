@@ -1,0 +1,99 @@
+"""A process that exits while holding arrays whose sender still lives exits
+promptly, whether the arrays are freed with a module's globals or with the
+frame of an uncaught exception (nothing torchshm runs during interpreter
+finalization may start a thread or block: Thread.start() then never
+returns)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import TIMEOUT
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+# The receiver script: gets an array from a sender that stays alive (a bare
+# os.fork child, or another session's process exporting a handle), keeps it
+# as the test asks, then ends.
+SCRIPT = textwrap.dedent(
+    """
+    import os, pickle, subprocess, sys, time
+    import numpy as np
+    import torchshm
+    from multiprocessing.reduction import ForkingPickler
+
+    sender, ending = sys.argv[1], sys.argv[2]
+    if sender == "fork":
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the sender: sends, then lives on
+            os.close(r)
+            data = bytes(ForkingPickler.dumps(np.full(200_000, 7.0)))
+            os.write(w, len(data).to_bytes(8, "little") + data)
+            time.sleep(60)
+            os._exit(0)
+        os.close(w)
+        n = int.from_bytes(os.read(r, 8), "little")
+        data = b""
+        while len(data) < n:
+            data += os.read(r, n - len(data))
+        received = pickle.loads(data)
+    else:  # another session's process exports a handle and lives on
+        env = dict(os.environ)
+        env.pop("TORCHSHM_SESSION")
+        exporter = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys, time, numpy as np, torchshm;"
+             "a = np.full(200_000, 7.0);"
+             "sys.stdout.buffer.write(torchshm.dumps(a).hex().encode() + b'\\\\n');"
+             "sys.stdout.flush(); time.sleep(60)"],
+            stdout=subprocess.PIPE, env=env,
+        )
+        received = torchshm.loads(bytes.fromhex(exporter.stdout.readline().decode()))
+        pid = exporter.pid
+    assert torchshm.is_shared(received) and received[0] == 7.0
+    print(pid, flush=True)
+    HELD = received  # a module global, freed during finalization
+    if ending == "exception":
+        def crash(batch):
+            raise RuntimeError("the training loop crashed")
+        crash(received)  # its frame, in the traceback, holds the batch
+    """
+)
+
+
+@pytest.mark.parametrize("sender", ["fork", "handle"])
+@pytest.mark.parametrize("ending", ["global", "exception"])
+def test_a_receiver_exits_promptly_while_its_sender_lives(tmp_path, sender, ending):
+    script = tmp_path / "receiver.py"
+    script.write_text(SCRIPT)
+    # Files, not pipes: the sender, alive on purpose, inherits them, and a
+    # pipe would read as open until it exits.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), sender, ending],
+            stdout=stdout,
+            stderr=stderr,
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
+    try:
+        proc.wait(timeout=TIMEOUT)  # a hang fails here
+        assert proc.returncode == (1 if ending == "exception" else 0), err.read_text()
+        if ending == "exception":
+            assert "the training loop crashed" in err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        words = out.read_text().split()
+        if words:
+            try:
+                os.kill(int(words[0]), signal.SIGKILL)  # the sender
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,203 @@
+"""`python -m torchshm doctor` and `python -m torchshm ls`.
+
+doctor: what bounds shared memory here (the /dev/shm mount, the memory
+cgroup, the machine), which of them bounds torchshm (not /dev/shm: its
+segments are memfds, Note [Segment lifetime] in csrc/segment.h), the live
+torchshm sessions of this user with what each holds, and what a container
+needs. ls: this user's segments and their holders, one row each.
+"""
+
+import json
+import os
+import stat
+
+from torchshm import _keeper, _memory, _session
+
+# How a segment's mapping reads in /proc/<pid>/maps (csrc/segment.cpp names
+# its memfd torchshm-segment:<session>:<index>).
+SEGMENT_MAPPING = "/memfd:torchshm-segment:"
+
+TORCH_SHM_NOTE = (
+    "torch's own tensor sharing (its file_descriptor and file_system"
+    " strategies) still uses /dev/shm: tensors in DataLoader samples need"
+    " room there"
+)
+
+
+def sessions():
+    """Ids of this user's torchshm sessions whose keeper socket exists."""
+    found = []
+    try:
+        names = os.listdir(_keeper.SHM_DIR)
+    except OSError:
+        return found
+    for name in names:
+        if not (name.startswith(_keeper.PREFIX) and name.endswith(".sock")):
+            continue
+        try:
+            st = os.lstat(os.path.join(_keeper.SHM_DIR, name))
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+            found.append(name[len(_keeper.PREFIX) : -len(".sock")])
+    return sorted(found)
+
+
+def reports():
+    """The keeper's report of every live session of this user."""
+    out = []
+    for session in sessions():
+        report = _session.status(session)
+        if report is not None:
+            out.append(report)
+    return out
+
+
+def diagnose():
+    """doctor's findings, as a dict."""
+    try:
+        st = os.statvfs("/dev/shm")
+        dev_shm = {"size": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize}
+    except OSError as exc:
+        dev_shm = {"error": str(exc)}
+    cgroup = _memory.cgroup_limit()
+    info = _memory.meminfo()
+    room, bound_by, limit = _memory.bound()
+    live = reports()
+    own = _session._session  # noqa: SLF001 - not joined: no session of our own
+    return {
+        "dev_shm": dev_shm,
+        "cgroup": (
+            None
+            if cgroup is None
+            else {"limit": cgroup[0], "usage": cgroup[1], "file": cgroup[2]}
+        ),
+        "memory": {
+            "total": info.get("MemTotal", 0),
+            "available": info.get("MemAvailable", 0),
+            "shmem": info.get("Shmem", 0),
+        },
+        "bound": {"room": room, "by": bound_by, "limit": limit},
+        "sessions": [
+            {
+                "session": r["session"],
+                "keeper_pid": r["pid"],
+                "members": r["members"],
+                "segments": len(r["segments"]),
+                "bytes": sum(s["bytes"] for s in r["segments"]),
+                "this_process": r["session"] == own,
+            }
+            for r in live
+        ],
+        "advice": _advice(dev_shm, cgroup),
+    }
+
+
+def _advice(dev_shm, cgroup):
+    advice = [
+        "torchshm's arrays do not use /dev/shm: a container needs no --shm-size"
+        " for them (Docker's and Kubernetes' 64 MiB default is fine).",
+    ]
+    if "size" in dev_shm and dev_shm["size"] < 1 << 30:
+        advice.append(
+            f"/dev/shm is {_memory._size(dev_shm['size'])}: {TORCH_SHM_NOTE};"
+            " raise --shm-size if samples carry torch tensors."
+        )
+    if cgroup is not None:
+        advice.append(
+            f"Shared memory counts against this container's memory limit"
+            f" ({_memory._size(cgroup[0])}, {cgroup[2]}): arrays in flight, the"
+            " senders' pools (TORCHSHM_POOL_BYTES) and the receivers' mapping"
+            " caches (TORCHSHM_MAPPING_CACHE_BYTES) all do. When it is reached,"
+            " arrays are pickled by value instead, with one warning."
+        )
+    return advice
+
+
+def format_diagnosis(d):
+    size = _memory._size
+    lines = []
+    shm = d["dev_shm"]
+    if "error" in shm:
+        lines.append(f"/dev/shm      unreadable: {shm['error']}")
+    else:
+        lines.append(f"/dev/shm      {size(shm['size'])}, {size(shm['free'])} free")
+    if d["cgroup"] is None:
+        lines.append("memory cgroup no limit")
+    else:
+        c = d["cgroup"]
+        lines.append(
+            f"memory cgroup limit {size(c['limit'])}, {size(c['usage'])} in use"
+            f" ({c['file']})"
+        )
+    m = d["memory"]
+    lines.append(
+        f"memory        {size(m['total'])} in all, {size(m['available'])} available,"
+        f" {size(m['shmem'])} shared"
+    )
+    b = d["bound"]
+    lines.append(f"torchshm      bounded by {b['by']}: {size(b['room'])} left")
+    if not d["sessions"]:
+        lines.append("sessions      none of this user")
+    for s in d["sessions"]:
+        mine = " (this process)" if s["this_process"] else ""
+        lines.append(
+            f"session       {s['session']}{mine}: keeper pid {s['keeper_pid']},"
+            f" {s['members']} processes, {s['segments']} segments,"
+            f" {size(s['bytes'])}"
+        )
+    lines.extend(f"advice        {a}" for a in d["advice"])
+    return "\n".join(lines)
+
+
+def segments():
+    """One row per segment of this user: session, index, uid, sizes, holders."""
+    rows = []
+    for r in reports():
+        for s in r["segments"]:
+            rows.append(dict(s, session=r["session"]))
+    return rows
+
+
+def format_segments(rows):
+    if not rows:
+        return "no torchshm segments of this user"
+    size = _memory._size
+    header = (
+        f"{'session':<13}{'index':>6} {'uid':<17}{'capacity':>11}{'in memory':>11}"
+        f" {'creator':<17}{'holders':>8}{'tickets':>8} pinned"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['session']:<13}{r['index']:>6} {r['uid']:<17}{size(r['capacity']):>11}"
+            f"{size(r['bytes']):>11} {r['creator']:<17}{len(r['holders']):>8}"
+            f"{r['tickets']:>8} {'yes' if r['pinned'] else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def segment_pss(pid="self"):
+    """PSS in bytes of the torchshm segments a process maps (its share of
+    each page, so summing over the processes that map one gives its size)."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if not fields:
+                continue
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5].startswith(SEGMENT_MAPPING)
+            elif fields[0] == "Pss:" and inside:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def main(command, as_json):
+    if command == "doctor":
+        found = diagnose()
+        print(json.dumps(found, indent=2) if as_json else format_diagnosis(found))
+    else:
+        rows = segments()
+        print(json.dumps(rows, indent=2) if as_json else format_segments(rows))
+    return 0
