@@ -164,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
           "An int8 tensor over the data; its view owns `slot` (-1: none).");
   m.def("segments_with_fd", &torchshm::segments_with_fd);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
+  m.def("wake_when_quiet", &torchshm::wake_when_quiet, py::arg("fd"));
 
   m.def(
       "segment_of",
@@ -244,6 +245,7 @@ PYBIND11_MODULE(_C, m) {
       .def("get", &SegmentPool::get, py::arg("name"))
       .def("release_idle", &SegmentPool::release_idle,
            py::arg("older_than") = 0.0)
+      .def("oldest_quiet_use", &SegmentPool::oldest_quiet_use)
       .def("release_all", &SegmentPool::release_all)
       .def("forget", &SegmentPool::forget)
       .def("names", &SegmentPool::names)

@@ -2,6 +2,9 @@
 
 #include <time.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "identity.h"
 
 namespace torchshm {
@@ -56,6 +59,7 @@ at::Tensor SegmentPool::admit(std::shared_ptr<Segment> segment) {
   TORCH_CHECK(get(segment->name()) == nullptr, "segment ", segment->name(),
               " is pooled already");
   nbytes_ += segment->capacity();
+  segment->pooled.store(true);
   by_class_[segment->capacity()].push_back(Entry{segment, monotonic_seconds()});
   return view_tensor(std::move(segment), -1, self_id());
 }
@@ -71,6 +75,7 @@ int64_t SegmentPool::drop(std::vector<Entry>& entries, size_t index) {
   std::shared_ptr<Segment> segment = std::move(entries[index].segment);
   entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(index));
   nbytes_ -= segment->capacity();
+  segment->pooled.store(false);
   segment->release_slot(0, self_id());
   return segment->capacity();
 }
@@ -97,7 +102,18 @@ void SegmentPool::release_all() {
   by_class_.clear();
 }
 
+double SegmentPool::oldest_quiet_use() const {
+  double oldest = std::numeric_limits<double>::infinity();
+  for (const auto& [capacity, entries] : by_class_)
+    for (const Entry& entry : entries)
+      if (entry.segment->local_views() == 0)
+        oldest = std::min(oldest, entry.last_use);
+  return oldest;
+}
+
 void SegmentPool::forget() {
+  for (auto& [capacity, entries] : by_class_)
+    for (Entry& entry : entries) entry.segment->pooled.store(false);
   by_class_.clear();
   nbytes_ = 0;
   fast_until = 0;

@@ -57,6 +57,10 @@ class SegmentPool {
   std::shared_ptr<Segment> get(const std::string& name) const;
   // Releases segments idle for `older_than` seconds; the bytes freed.
   int64_t release_idle(double older_than);
+  // When (monotonic seconds) the first segment with no local view was
+  // last used: none can be released before that plus the idle time.
+  // Infinity if every segment has a local view.
+  double oldest_quiet_use() const;
   // Releases the pool's slot of every segment (this process is exiting).
   void release_all();
   // Forgets every segment without releasing (a forked child: the slots are

@@ -60,6 +60,9 @@ int populate(int fd, void* base, size_t total, int threads) {
   return err == EFAULT ? ENOMEM : err;
 }
 
+// The expiry timer's pipe while it sleeps without a deadline, else -1.
+std::atomic<int> quiet_fd{-1};
+
 // Fds this process holds for segments it created (see close_fd).
 std::atomic<int64_t> creator_fds{0};
 
@@ -208,6 +211,8 @@ void Segment::close_fd() {
 }
 
 int64_t open_creator_fds() { return creator_fds.load(); }
+
+void wake_when_quiet(int fd) { quiet_fd.store(fd); }
 
 void Segment::rebind(std::shared_ptr<SessionTable> table, int index) {
   std::atomic_store(&table_, std::move(table));
@@ -374,7 +379,12 @@ View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
 
 View::~View() {
   disown();
-  segment->views_.fetch_sub(1);
+  if (segment->views_.fetch_sub(1) == 1 && segment->pooled.load()) {
+    const int fd = quiet_fd.exchange(-1);
+    if (fd >= 0 && ::write(fd, "q", 1) < 0) {
+      // A full pipe already wakes the timer.
+    }
+  }
 }
 
 void View::disown() {

@@ -226,6 +226,11 @@ class Segment {
   std::atomic<int> index_{-1};
   std::shared_ptr<SessionTable> table_;  // guarded by std::atomic_load/store
   std::atomic<int64_t> views_{0};
+
+ public:
+  // Set while a pool of this process keeps the segment (pool.h): its last
+  // local view dying may wake the pool's expiry timer (wake_when_quiet).
+  std::atomic<bool> pooled{false};
 };
 
 // One live view of a segment: the context of a tensor's storage. It keeps the
@@ -249,6 +254,13 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
                        uint64_t holder);
 // The view behind a tensor's storage, or nullptr if it is not one of ours.
 View* view_of(const at::Tensor& tensor);
+
+// The expiry timer of torchshm/_segments.py sleeps without a deadline while
+// every pooled segment has a local view (none can expire). Armed with a pipe
+// fd, the next pooled segment whose last local view dies writes one byte to
+// it and disarms it: one wake-up per such sleep, no syscall per message
+// otherwise. -1 disarms.
+void wake_when_quiet(int fd);
 
 // Segments this process created that still hold their fd (to register them
 // with a restarted keeper), and how many fds those are.

@@ -640,7 +640,7 @@ class Keeper:
                 if not self.session_lives():
                     return
                 self.idle_since, self.idle_limit = now, SCAN_SECONDS
-            self.serve_ready(0.5)
+            self.serve_ready(SCAN_SECONDS)
             now = time.monotonic()
             if now >= self.next_scan:
                 self.next_scan = now + SCAN_SECONDS

@@ -13,6 +13,7 @@ where a receiver finds a segment's fd (_open).
 import collections
 import errno
 import os
+import select
 import sys
 import threading
 import time
@@ -307,11 +308,42 @@ def _prune_live():
         del _live[name]
 
 
+# Note [Expiry timer]
+# The timer gives idle memory back: pooled segments unused for
+# pool_idle_seconds(), and cached mappings of segments that died. It wakes
+# only when something can have changed:
+# - at the moment the oldest pooled segment with no local view can expire
+#   (oldest_quiet_use + idle); none earlier can;
+# - while every pooled segment has a local view, never: the first one whose
+#   last local view dies writes a byte to a pipe (wake_when_quiet in
+#   csrc/segment.h), once per such sleep;
+# - while a segment past its time is still held by another process, or
+#   mappings are cached, every quarter of the idle time, at most
+#   EXPIRY_PERIOD_MAX apart.
+# A wake-up is cheap on bare metal, but on a paravirtualized VM every
+# wake-up of a process holding gigabytes costs tens of milliseconds of CPU
+# (measured here: 15-50 ms for a plain time.sleep(1) with 3 GB of numpy
+# arrays held, 0.3 ms without): `python -m benchmarks.background` measures it.
+EXPIRY_PERIOD_MAX = 10.0
+
+
+def _make_quiet_pipe():
+    """The timer's wake-up pipe: made at import (and in a forked child) and
+    never closed while the process lives, so that a view that took its fd
+    number can never write into a file that reused it."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)  # drained without waiting
+    os.set_blocking(w, False)  # a full pipe wakes the timer all the same
+    return r, w
+
+
+_quiet_pipe = _make_quiet_pipe()
+
+
 class _Expiry:
-    """Gives idle memory back on a timer: pooled segments unused for
-    pool_idle_seconds(), and cached mappings of segments that died. A sender
-    that goes quiet so releases within the idle time (plus a quarter of it,
-    at most a second) without sending again. The thread runs only while
+    """The expiry timer (Note [Expiry timer]). A sender that goes quiet
+    releases its pool within the idle time (plus a quarter of it, at most
+    EXPIRY_PERIOD_MAX) without sending again. The thread runs only while
     there is something to watch, and never across fork (Note [Fork]): a
     fork stops it, and the next send or receive starts it again (a process
     that forks and then never touches torchshm keeps its pool until exit,
@@ -343,6 +375,11 @@ class _Expiry:
         thread = self._thread
         if thread is not None:
             self._stop.set()
+            _C.wake_when_quiet(-1)
+            try:
+                os.write(_quiet_pipe[1], b"s")
+            except BlockingIOError:
+                pass  # full: the thread wakes anyway
             thread.join()
             self._thread = None
 
@@ -354,10 +391,34 @@ class _Expiry:
         if self._thread is None and self.needed():
             self.ensure()
 
+    def _next_wait(self, idle):
+        """Seconds until the next look, or None: until woken (see the Note).
+        Armed before it looks, so that a segment going quiet meanwhile wakes
+        it."""
+        _C.wake_when_quiet(_quiet_pipe[1])
+        with _lock:
+            oldest = _pool_segments.native.oldest_quiet_use()
+            mappings = bool(_idle_mappings)
+        period = max(0.05, min(EXPIRY_PERIOD_MAX, idle / 4))
+        wait = None if mappings is False else period
+        if oldest != float("inf"):
+            _C.wake_when_quiet(-1)
+            due = oldest + idle - time.monotonic()
+            until = due if due > 0 else period
+            wait = until if wait is None else min(wait, until)
+        return wait
+
     def _run(self):
+        r = _quiet_pipe[0]
         while True:
             idle = _config.pool_idle_seconds()
-            if self._stop.wait(max(0.05, min(1.0, idle / 4))):
+            select.select([r], [], [], self._next_wait(idle))
+            _C.wake_when_quiet(-1)
+            try:
+                os.read(r, 4096)  # nonblocking: drains the wake-ups
+            except BlockingIOError:
+                pass
+            if self._stop.is_set():
                 return
             with _lock:
                 _pool_segments.release_idle(older_than=idle)
@@ -408,9 +469,12 @@ def _after_fork_in_parent():
 
 
 def _after_fork_in_child():
-    global _lock, _idle_bytes, _expiry
+    global _lock, _idle_bytes, _expiry, _quiet_pipe
     _lock = threading.RLock()  # another thread may have held it at fork
     _expiry = _Expiry()  # threads do not survive fork
+    for fd in _quiet_pipe:  # the parent's: its wake-ups are not ours
+        os.close(fd)
+    _quiet_pipe = _make_quiet_pipe()
     _C.after_fork_in_child()
     _C.forget_written_tickets()  # the parent's messages, not ours
     _session.after_fork_in_child()
