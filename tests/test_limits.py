@@ -1,6 +1,10 @@
 """Limits: file descriptors, a small /dev/shm, a memory limit, threads."""
 
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -130,3 +134,43 @@ def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks
         if kind == "Queue" or q is outbox:
             q.join_thread()
 
+
+def _loader_in_small_shm(method, samples=32, env=None):
+    """benchmarks/docker_loader.py's JSON for one run in a private 64 MiB
+    /dev/shm (the DataLoader of issue 20: 4 spawn workers, 2 MiB samples)."""
+    env = dict(env or os.environ, PYTHONPATH=isolated.ROOT)
+    env.pop("TORCHSHM_SESSION", None)
+    env["TORCHSHM_THRESHOLD"] = "256K"  # the default, not the suite's
+    run = subprocess.run(
+        [*SMALL_SHM, sys.executable, "-m", "benchmarks.docker_loader", method]
+        + [str(samples), "1"],
+        capture_output=True,
+        text=True,
+        timeout=10 * TIMEOUT,
+        cwd=isolated.ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+@pytest.mark.parametrize("method", ["torchshm_collate", "torchshm"])
+def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
+    result = _loader_in_small_shm(method)
+    assert result["completed"], result.get("error")
+    assert result["batches"] == 2 * 32 // 8 and result["bad"] == 0
+    assert result["warnings"] == []
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+def test_torchshm_leaves_torch_its_room_in_a_64_mib_dev_shm():
+    # Samples carry an array and a torch tensor: torch shares the tensors
+    # through /dev/shm; torchshm must not make that fail.
+    disabled = _loader_in_small_shm(
+        "mixed_disabled", env=dict(os.environ, TORCHSHM_DISABLE="1")
+    )
+    enabled = _loader_in_small_shm("mixed_torchshm")
+    assert enabled["batches"] == disabled["batches"] == 2 * 32 // 8
+    assert enabled["completed"] and disabled["completed"]
+    assert enabled["bad"] == disabled["bad"] == 0

@@ -7,6 +7,7 @@ from benchmarks.scenarios import (
     dataframe,
     dataloader,
     dataloader_start,
+    docker_shm,
     era5,
     many_small,
     memory,
@@ -27,6 +28,7 @@ SCENARIOS = {
         node_memory,
         dataloader_start,
         born,
+        docker_shm,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.

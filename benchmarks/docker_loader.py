@@ -1,0 +1,111 @@
+"""One DataLoader run for scenario 11 (benchmarks/scenarios/docker_shm.py),
+in whatever /dev/shm this process sees; prints one JSON line.
+
+    python -m benchmarks.docker_loader METHOD SAMPLES EPOCHS
+
+The DataLoader of issue 20: a Dataset of 2 MiB float32 samples, batch_size 8,
+4 spawn workers, prefetch_factor 2, persistent workers. METHOD picks the
+collate function and whether workers register torchshm; the "mixed" methods
+add a small torch tensor to every sample, so that torch's own sharing (in
+/dev/shm) runs beside torchshm's.
+"""
+
+import json
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.utils.data
+
+import torchshm
+
+SAMPLE_FLOATS = (2 << 20) // 4  # 2 MiB of float32
+TENSOR_FLOATS = (256 << 10) // 4  # 256 KiB: torch's share per sample
+BATCH = 8
+WORKERS = 4
+TIMEOUT = 60  # a batch lost in a worker's feeder thread would hang the loop
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, length, mixed):
+        self.length, self.mixed = length, mixed
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        x = np.full(SAMPLE_FLOATS, float(index), dtype=np.float32)
+        if not self.mixed:
+            return x
+        return {"x": x, "t": torch.full((TENSOR_FLOATS,), float(index))}
+
+
+def stack(samples):
+    return np.stack(samples)
+
+
+def stack_mixed(samples):
+    return {
+        "x": np.stack([s["x"] for s in samples]),
+        "t": torch.stack([s["t"] for s in samples]),
+    }
+
+
+# method -> (collate_fn, workers register torchshm, mixed samples)
+METHODS = {
+    "torchshm_collate": (torchshm.collate, True, False),
+    "torchshm": (stack, True, False),
+    "torch": (None, False, False),  # default_collate: torch tensors
+    "pipe": (stack, False, False),
+    "mixed_torchshm": (stack_mixed, True, True),
+    "mixed_disabled": (stack_mixed, False, True),
+}
+
+
+def first_value(batch):
+    x = batch["x"] if isinstance(batch, dict) else batch
+    return float(x[0][0])
+
+
+def run(method, samples, epochs):
+    collate, register, mixed = METHODS[method]
+    if not register:
+        torchshm.unregister()  # and spawn workers never import it
+    loader = torch.utils.data.DataLoader(
+        Samples(samples, mixed),
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        prefetch_factor=2,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        worker_init_fn=torchshm.worker_init_fn if register else None,
+        collate_fn=collate,
+        timeout=TIMEOUT,
+    )
+    result = {"method": method, "epochs": [], "batches": 0, "bad": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for _ in range(epochs + 1):  # the first starts the workers
+                start = time.perf_counter()
+                for i, batch in enumerate(loader):
+                    result["batches"] += 1
+                    result["bad"] += first_value(batch) != float(i * BATCH)
+                    del batch
+                result["epochs"].append(time.perf_counter() - start)
+            result["completed"] = True
+        except Exception as exc:  # noqa: BLE001 - the row says what failed
+            result["completed"] = False
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            del loader
+    result["warnings"] = [
+        str(w.message)[:300] for w in caught if "torchshm" in str(w.message)
+    ]
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
