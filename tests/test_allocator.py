@@ -6,6 +6,7 @@ import asyncio
 import gc
 import multiprocessing as mp
 import threading
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -282,6 +283,19 @@ def test_more_born_arrays_than_a_64_mib_dev_shm_holds_are_all_shared():
     }
     assert result["exitcode"] == 0 and result["equal"] == [True] * len(shared)
     assert result["warnings"] == []
+
+
+def test_an_allocation_no_memory_could_hold_is_numpys_memory_error():
+    # Its size plus a segment header used to overflow into a negative
+    # capacity and a warning that asked for a bug report.
+    before = torchshm.stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of torchshm's
+        with torchshm.allocating():
+            with pytest.raises(MemoryError):
+                np.empty(2**63 - 1, np.uint8)
+    delta = stats_delta(before)
+    assert delta["allocations_shared"] == delta["allocations_fallback"] == 0
 
 
 def test_multiprocessing_context_is_unchanged():

@@ -705,6 +705,18 @@ def test_one_pool_budget_for_the_whole_session(monkeypatch, child):
         assert c.close() == 0
 
 
+def test_the_live_table_stays_bounded_without_a_pool(monkeypatch):
+    # Without a pool every message makes a segment of its own; the table of
+    # this process's live views must not keep an entry per segment ever made.
+    monkeypatch.setenv("TORCHSHM_POOL_BYTES", "0")
+    torchshm.trim()
+    for i in range(400):
+        assert pickle.loads(dumps(np.full(20_000, float(i))))[0] == i
+    gc.collect()
+    live = sum(ref() is not None for ref in _segments._live.values())
+    assert len(_segments._live) <= max(64, 2 * live) + 1, len(_segments._live)
+
+
 def test_a_queue_does_not_keep_the_last_array_it_sent_alive():
     # Finding the pipe of a Queue's feeder once read the feeder frame's
     # locals, which before Python 3.13 leaves a snapshot holding the object

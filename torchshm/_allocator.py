@@ -69,6 +69,8 @@ def _source(nbytes):
     """Called by the handler: (segment tensor, reused) for a block of nbytes,
     or None to let NumPy allocate it. Never raises: an exception here would
     surface in whatever NumPy call allocated."""
+    if nbytes > _segments.MAX_SEGMENT_BYTES:
+        return None  # no memory holds it: NumPy's own MemoryError says so
     try:
         block = _segments.allocate_block(nbytes)
     except Exception as exc:  # noqa: BLE001 - see the docstring
