@@ -306,7 +306,11 @@ def test_handles_load_a_reference():
     loaded = torchshm.loads(handle)
     assert np.shares_memory(loaded._buf, table._buf)
     assert loaded["000000001999.jpg"] == cc.record(1999)
-    torchshm.release(handle)
+    # The handle lives as long as the exported SharedDict (weakly referenced).
+    del table, loaded
+    gc.collect()
+    with pytest.raises(torchshm.HandleError):
+        torchshm.loads(handle)
 
 
 def test_buffers_are_read_only():

@@ -33,6 +33,7 @@ import torch
 
 from torchshm import _config, _keys, _registry
 
+_crc32 = zlib.crc32
 # Fixed, not pickle.HIGHEST_PROTOCOL: a SharedList pickled to a file by one
 # Python must read in another.
 PROTOCOL = 5
@@ -191,7 +192,16 @@ class SharedList(collections.abc.Sequence):
     plain pickle (a file) its buffers are pickled by value.
     """
 
-    __slots__ = ("_buf", "_offsets", "_children", "_view", "_off", "_n", "_load")
+    __slots__ = (
+        "_buf",
+        "_offsets",
+        "_children",
+        "_view",
+        "_off",
+        "_n",
+        "_load",
+        "__weakref__",  # torchshm.dumps keeps a handle while its object lives
+    )
 
     def __init__(self, iterable: Iterable[Any] = ()):
         buf, offsets, children = _pack_list(iterable, _Packer(), "SharedList")
@@ -326,6 +336,7 @@ class SharedDict(collections.abc.Mapping):
         "_mask",
         "_n",
         "_load",
+        "__weakref__",
     )
 
     def __init__(self, mapping=(), **kwargs):
@@ -357,15 +368,20 @@ class SharedDict(collections.abc.Mapping):
 
     def _find(self, key) -> int:
         """The entry number of `key`, or -1."""
-        encoded = _keys.lookup(key)
-        if encoded is None:
-            return -1
-        bucket = zlib.crc32(encoded) & self._mask
-        view, off, slots = self._view, self._off, self._slotv
-        for s in range(self._startv[bucket], self._startv[bucket + 1]):
+        if type(key) is str:  # the common key, without a call
+            encoded = b"s" + key.encode("utf-8", "surrogatepass")
+        else:
+            encoded = _keys.lookup(key)
+            if encoded is None:
+                return -1
+        bucket = _crc32(encoded) & self._mask
+        starts, slots, off = self._startv, self._slotv, self._off
+        s, end = starts[bucket], starts[bucket + 1]
+        while s < end:  # about 1.5 entries (Note [SharedDict keys])
             j = 2 * slots[s]
-            if view[off[j] : off[j + 1]] == encoded:
+            if self._view[off[j] : off[j + 1]] == encoded:
                 return j // 2
+            s += 1
         return -1
 
     def _value(self, entry: int):
