@@ -5,10 +5,11 @@ Note [String columns]
 An object array pickles element by element, and pickling a str costs the
 sender more than it costs the receiver to rebuild it (pickle records every
 object in its memo). Measured on 2,000,000 strings
-(`python -m benchmarks.micro strings`): pickle.dumps 0.8-1.2 s, loads
-0.65-0.9 s; packing each string like a SharedList item (a pickle each) is
-slower still on both sides. Joining the strings with NUL into one UTF-8
-buffer takes 0.05-0.2 s, and the receiver's decode and split, which makes
+(`python -m benchmarks.micro strings`): pickle.dumps 0.7-0.8 s, loads
+0.6-0.7 s; packing each string like a SharedList item (a pickle each) is
+slower still on both sides (1.0-1.2 s each). Joining the strings with NUL
+into one UTF-8 buffer, with the checks below, takes 0.2-0.4 s, and the
+receiver's decode and split, which makes
 the same 2,000,000 str objects that unpickling makes, takes about what
 loads takes. The buffer travels as bytes inside the message, as the
 pickled strings did: copying it into shared memory would save little
