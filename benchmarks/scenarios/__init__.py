@@ -10,6 +10,7 @@ from benchmarks.scenarios import (
     era5,
     many_small,
     memory,
+    metadata,
     node_memory,
     per_item,
 )
@@ -27,6 +28,7 @@ SCENARIOS = {
         node_memory,
         dataloader_start,
         born,
+        metadata,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
