@@ -14,9 +14,10 @@ an item unpickles a fresh copy of it and writes nothing to the buffer, and
 both arrays live in torchshm shared memory, so a pickled SharedList is a
 reference to them (O(1)) and every process maps the same pages.
 
-The cost is an unpickle per read (a few microseconds for a record of a few
-dozen objects) and read-only semantics: a read returns a copy, so mutating
-it changes nothing, and the container cannot be mutated at all.
+The cost is an unpickle per read (about a microsecond for a record of two
+dozen objects: README, Python objects) and read-only semantics: a read
+returns a copy, so mutating it changes nothing, and the container cannot be
+mutated at all.
 """
 
 import array
@@ -48,7 +49,7 @@ def _read_only(message: str):
 
 
 class _NotPlain(Exception):
-    """An item holds an array that sharing should keep as an array."""
+    """An item holds an array or a tensor that sharing keeps as it is."""
 
 
 def _nested_child(index):
