@@ -1,4 +1,4 @@
-"""One DataLoader run for scenario 11 (benchmarks/scenarios/docker_shm.py),
+"""One DataLoader run for scenario 12 (benchmarks/scenarios/docker_shm.py),
 in whatever /dev/shm this process sees; prints one JSON line.
 
     python -m benchmarks.docker_loader METHOD SAMPLES EPOCHS

@@ -13,6 +13,9 @@
 4. Below the threshold through a Queue to another process: 20,000 x 1 KiB,
    one per message, and 1000 x 4 KiB in one message, against plain pickling
    in the same run (rounds alternate).
+5. `containers` and `strings` (benchmarks/objects.py): reading a record of a
+   SharedList against a plain list and where the time goes; string columns
+   pickled, packed per string, and joined into one buffer.
 """
 
 import multiprocessing as mp
@@ -312,3 +315,10 @@ if __name__ == "__main__":
         sender_path()
     if not only or "below" in only:
         below_threshold()
+    if not only or "containers" in only or "strings" in only:
+        from benchmarks import objects
+
+        if not only or "containers" in only:
+            objects.container_access()
+        if not only or "strings" in only:
+            objects.string_columns()

@@ -189,6 +189,8 @@ def plot(result, ax=None):
         fig, ax = plt.subplots(figsize=(9, 5))
     else:
         fig = ax.figure
+    if "lines" in result.summary:
+        return _plot_lines(result, result.summary["lines"], ax)
     cases, methods = result.cases(), result.methods()
     x = list(range(len(cases)))
     width = 0.8 / max(1, len(methods))
@@ -219,6 +221,28 @@ def plot(result, ax=None):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _plot_lines(result, lines, ax):
+    """A scenario's own series against x (summary["lines"]): one line each,
+    styled by lines["styles"] (matplotlib keywords per label), a series
+    without a value at some x skips it; values in bytes are shown in GiB."""
+    x = lines["x"]
+    scale = (1 << 30) if result.unit == "B" else 1
+    for label, values in lines["series"].items():
+        points = [(a, v / scale) for a, v in zip(x, values) if v is not None]
+        if points:
+            style = {"marker": "o", "ms": 4, **lines.get("styles", {}).get(label, {})}
+            ax.plot(*zip(*points), label=label, **style)
+    ax.set_xticks(x)
+    ax.set_xlabel(lines["xlabel"])
+    ax.set_ylabel(lines["ylabel"])
+    ax.set_ylim(bottom=0)
+    ax.set_title(result.title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax.figure
 
 
 def write_plots(results, directory):

@@ -47,6 +47,7 @@ MULTIPROCESS_MODULES = {
     "test_pool",
     "test_pools",
     "test_reuse",
+    "test_shared_containers",
 }
 # A test that asks for one of these fixtures starts processes, wherever it is.
 MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}

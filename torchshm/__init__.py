@@ -22,6 +22,7 @@ from torchshm._dataloader import (  # noqa: E402
     convert,
     worker_init_fn,
 )
+from torchshm._containers import SharedDict, SharedList  # noqa: E402
 from torchshm._handles import HandleError, dumps, loads, release  # noqa: E402
 from torchshm._sender import is_shared  # noqa: E402
 from torchshm._registry import (  # noqa: E402
@@ -54,6 +55,8 @@ __all__ = [
     "set_allocator",
     "set_threshold",
     "share",
+    "SharedDict",
+    "SharedList",
     "stats",
     "torchdata",
     "trim",

@@ -6,7 +6,8 @@ csrc/message.cpp): below min(threshold, PACK_MIN) it returns numpy's own
 reduce, and from the threshold up it shares the array through the thread's
 message, both without entering Python. Every other array (packed, empty,
 object dtype, over torch memory) comes to `reduce_ndarray` here, and so does
-every failure, to `fall_back`. The numbers below, and the threshold, are
+every failure, to `fall_back`. Object arrays of strings are packed into one
+buffer (Note [String columns] in _strings.py). The numbers below, and the threshold, are
 pushed into the native side by `configure()` whenever they change.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _fallback, _segments, _stats
+from torchshm import _config, _fallback, _segments, _stats, _strings
 from torchshm._compat import load_native, untyped_storage
 from torchshm._reduction import (
     rebuild_empty,
@@ -102,8 +103,10 @@ def is_shared(array: Any) -> bool:
 
 def _reduce_through_shared_memory(array):
     if array.dtype.hasobject:
-        _stats.fallback("object dtype")
-        return None
+        packed = _strings.reduce_str_array(array)
+        if packed is None:
+            _stats.fallback("object dtype")
+        return packed
     if array.size == 0:
         _stats.add("arrays_inline")
         return rebuild_empty, _C.view_args(array, 0)

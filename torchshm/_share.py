@@ -1,24 +1,94 @@
-"""torchshm.share(): move an object's arrays into shared memory once."""
+"""torchshm.share(): move an object's arrays (and, when asked, its lists and
+dicts of Python objects) into shared memory once."""
 
+import io
+import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
-from torchshm import _registry
+from torchshm import _containers, _registry
 
 T = TypeVar("T")
 
+# Note [Which containers share() converts]: below about a thousand items a
+# list costs a worker less than a hundred KiB however it is copied, against
+# the tens of MiB of the worker's own interpreter; converting it would only
+# add an unpickle per read and change its type for nothing.
+CONTAINER_MIN_ITEMS = 1000
 
-def share(obj: T) -> T:
+
+def share(
+    obj: T, *, containers: bool = False, min_items: int = CONTAINER_MIN_ITEMS
+) -> T:
     """An equivalent object whose eligible arrays live in shared memory.
 
     Works on an array or any picklable object graph (DataFrame, xarray
     Dataset, a model): it round-trips through torchshm's reducers in this
     process, so every later send of the result is O(1) whatever its size.
     Arrays below the threshold and object arrays stay ordinary.
+
+    With `containers=True`, every list and dict in the graph (a Dataset's
+    attributes included) with at least `min_items` items of plain Python
+    objects becomes a read-only torchshm.SharedList or SharedDict: its items
+    are pickled once into shared memory, so workers neither copy them nor
+    write their pages (the copy-on-read problem). A list or dict stays as it
+    is when its items hold an array at or above the threshold or a tensor
+    (those are shared as they are), or, for a dict, when a key is not a str,
+    int, bytes, None or a tuple of these. An item that cannot be pickled is
+    a TypeError naming its index or key. Tuples, sets and subclasses of list
+    and dict are walked through, never converted.
     """
     if not _registry.is_registered():
         raise RuntimeError(
             "torchshm.share() needs torchshm's reducers: call torchshm.register()"
             " (it is off because of TORCHSHM_DISABLE=1 or torchshm.disabled())"
         )
-    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+    if not containers:
+        return ForkingPickler.loads(ForkingPickler.dumps(obj))
+    if type(min_items) is not int or min_items < 0:
+        raise ValueError(f"min_items must be an int >= 0, got {min_items!r}")
+    out = io.BytesIO()
+    _ContainerPickler(out, min_items).dump(obj)
+    return _ContainerUnpickler(io.BytesIO(out.getbuffer())).load()
+
+
+class _ContainerPickler(ForkingPickler):
+    """ForkingPickler (torchshm's reducers) that turns large lists and dicts
+    into SharedLists and SharedDicts.
+
+    Pickle offers no reducer hook for list and dict (reducer_override never
+    sees them), so a converted one is saved as a persistent id: the rebuild
+    function and its fresh arrays, which this pickler then shares like any
+    array, for _ContainerUnpickler to rebuild. persistent_id sees an object
+    each time it is referenced: a list held twice is converted once."""
+
+    def __init__(self, out, min_items):
+        super().__init__(out)
+        self._min_items = min_items
+        self._converted = {}  # id -> (the list or dict, its persistent id)
+
+    def persistent_id(self, obj):
+        kind = type(obj)
+        if kind is not list and kind is not dict:
+            return None
+        known = self._converted.get(id(obj))
+        if known is None:
+            known = obj, _containers.reduce_converted(obj, self._min_items)
+            self._converted[id(obj)] = known
+        return known[1]
+
+
+class _ContainerUnpickler(pickle.Unpickler):
+    def __init__(self, data):
+        super().__init__(data)
+        self._rebuilt = {}  # id(persistent id) -> its container
+
+    def persistent_load(self, pid):
+        # The same persistent id object comes back for every reference to it.
+        rebuilt = self._rebuilt.get(id(pid))
+        if rebuilt is None:
+            rebuild, args = pid
+            if rebuild not in _containers.REBUILDS:
+                raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+            rebuilt = self._rebuilt[id(pid)] = pid, rebuild(*args)
+        return rebuilt[1]

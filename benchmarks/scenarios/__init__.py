@@ -11,6 +11,7 @@ from benchmarks.scenarios import (
     era5,
     many_small,
     memory,
+    metadata,
     node_memory,
     per_item,
 )
@@ -28,6 +29,7 @@ SCENARIOS = {
         node_memory,
         dataloader_start,
         born,
+        metadata,
         docker_shm,
     )
 }

@@ -1,4 +1,4 @@
-"""11. Docker's 64 MiB /dev/shm: the DataLoader of issue 20 in a private
+"""12. Docker's 64 MiB /dev/shm: the DataLoader of issue 20 in a private
 64 MiB /dev/shm, against the same run in an 8 GiB one.
 
 Each run is a child (benchmarks/docker_loader.py) in a mount namespace of its
@@ -74,7 +74,7 @@ def run(quick, bar):
         repeats = dict.fromkeys(repeats, 1)
     result = Result(
         NAME,
-        f"11. Docker's 64 MiB /dev/shm: DataLoader, {samples} samples of 2 MiB,"
+        f"12. Docker's 64 MiB /dev/shm: DataLoader, {samples} samples of 2 MiB,"
         " batch 8, 4 spawn workers, prefetch 2",
         notes=[
             "Epoch time, median [min-max] of epochs 2.. over all runs (the first"

@@ -1,0 +1,136 @@
+"""Child targets and datasets for test_shared_containers, at module top
+level so that spawn and forkserver children import them. Every wait is
+bounded (see tests/children.py)."""
+
+import gc
+import random
+import zlib
+
+import numpy as np
+import torch.utils.data
+
+import torchshm
+
+TIMEOUT = 120
+
+
+def record(i, rng=None):
+    """A COCO-like annotation record: an id, a file name, 4 boxes, a category."""
+    rng = rng or random.Random(i)
+    return {
+        "id": i,
+        "file_name": f"{i:012d}.jpg",
+        "boxes": [[rng.random() * 640, rng.random() * 480, 20.0, 30.5] for _ in "abcd"],
+        "category": i % 80,
+    }
+
+
+def records(n):
+    return [record(i) for i in range(n)]
+
+
+def checksum(items):
+    """A digest of the pickled items (equal items, equal digest)."""
+    import pickle
+
+    digest = 0
+    for item in items:
+        digest = zlib.crc32(pickle.dumps(item, 5), digest)
+    return digest
+
+
+def mappings_over(arr):
+    """The /proc/self/smaps entries (perms, path, Private_Dirty kB) of the
+    mappings that hold `arr`'s memory."""
+    lo = arr.__array_interface__["data"][0]
+    hi = lo + arr.nbytes
+    found, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                current = None
+                if start < hi and lo < end:
+                    current = {"perms": head[1], "path": " ".join(head[5:])}
+                    found.append(current)
+            elif current is not None and head[0] == "Private_Dirty:":
+                current["private_dirty_kb"] = int(head[1])
+    return found
+
+
+def private_dirty_kb():
+    """This process's Private_Dirty in kB (smaps_rollup)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Private_Dirty in /proc/self/smaps_rollup")
+
+
+def read_every_item(inbox, outbox, container):
+    """Reads every item (values too, for a dict), then reports a checksum,
+    whether the buffers are shared memory, and the smaps entries over them."""
+    if isinstance(container, torchshm.SharedDict):
+        items = list(container.items())
+        items += [(key, container[key]) for key in container]
+    else:
+        items = list(container)
+    outbox.put(
+        {
+            "checksum": checksum(items),
+            "len": len(container),
+            "shared": torchshm.is_shared(container._buf),
+            "mappings": mappings_over(container._buf),
+        }
+    )
+    inbox.get(timeout=TIMEOUT)  # the parent has read our report
+
+
+def dirty_growth(inbox, outbox, container):
+    """kB of private dirty pages that reading every item adds to this
+    (forked) process. The collector is off: a collection writes the header
+    of every tracked object it inherited, a cost SharedList also avoids but
+    that would hide what reading alone does."""
+    gc.disable()
+    before = private_dirty_kb()
+    total = 0.0
+    for item in container:
+        total += item["id"] + item["category"] + len(item["file_name"])
+        for box in item["boxes"]:
+            total += sum(box)
+    outbox.put(private_dirty_kb() - before)
+
+
+def read_nested(inbox, outbox, outer):
+    inner = outer[0]
+    outbox.put([list(inner), outer[1]["inner"]["k"], torchshm.is_shared(inner._buf)])
+
+
+def read_last_huge(inbox, outbox, huge):
+    last = huge[len(huge) - 1]
+    outbox.put((len(last), last[:1], last[-1:]))
+
+
+class MetadataDataset(torch.utils.data.Dataset):
+    """A dataset of records, by position and by file name, plus a few class
+    names (too few to convert) and a large array (shared as an array)."""
+
+    def __init__(self, n):
+        self.records = records(n)
+        self.by_name = {r["file_name"]: r for r in self.records}
+        self.classes = ["cat", "dog"]
+        self.image_sizes = np.full((n, 2), 640, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        r = self.records[i]
+        same = self.by_name[r["file_name"]] == r
+        return {
+            "id": r["id"],
+            "same": same,
+            "kind": type(self.records).__name__,
+            "shared": torchshm.is_shared(getattr(self.records, "_buf", None)),
+        }

@@ -1,0 +1,485 @@
+"""SharedList and SharedDict: parity with list and dict (properties against
+the plain containers), O(1) pickling, workers under fork, spawn and
+forkserver reading every item without writing a page, share(containers=True),
+bad items and keys, empty, nested and huge containers."""
+
+import gc
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+import torchshm
+from torchshm import _doctor
+from tests import container_children as cc
+
+# Values as a dataset holds them. No NaN: an item is read back as a new
+# object, and NaN equals only itself, so [nan] == [nan] holds for one list
+# but not between a list and a SharedList (README: Semantics).
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+key_scalars = st.none() | st.integers() | st.text(max_size=6) | st.binary(max_size=6)
+keys = key_scalars | st.tuples(key_scalars, key_scalars)
+# What a lookup may be asked: stored kinds, their numeric look-alikes (True,
+# 1.0, numpy ints find the key 1 in a dict) and other hashables.
+probes = (
+    keys
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.integers(-5, 5).map(np.int64)
+    | st.integers(-5, 5).map(float)
+    | st.frozensets(st.integers(), max_size=2)
+    | st.tuples(st.integers(-3, 3).map(float), st.text(max_size=2))
+)
+
+
+def roundtrip(obj):
+    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+
+
+def pickled_size(obj):
+    """Bytes of obj's ForkingPickler message. The message is loaded too: an
+    unloaded one would hold its tickets until the session ends."""
+    data = ForkingPickler.dumps(obj)
+    ForkingPickler.loads(data)
+    return len(data)
+
+
+def outcome(fn, *args):
+    """What a call returns or which exception type it raises."""
+    try:
+        return ("value", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - compared between containers
+        return ("raises", type(exc))
+
+
+# --- parity with list and dict ----------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    items=st.lists(values, max_size=12),
+    index=st.integers(-15, 15),
+    cut=st.tuples(
+        st.none() | st.integers(-15, 15),
+        st.none() | st.integers(-15, 15),
+        st.none() | st.integers(-4, 4).filter(bool),
+    ),
+    probe=values,
+)
+def test_list_parity(items, index, cut, probe):
+    for shared in (torchshm.SharedList(items), roundtrip(torchshm.SharedList(items))):
+        assert len(shared) == len(items)
+        assert shared == items and items == shared and not shared != items
+        assert list(shared) == items
+        assert list(reversed(shared)) == list(reversed(items))
+        assert outcome(shared.__getitem__, index) == outcome(items.__getitem__, index)
+        sliced = shared[slice(*cut)]
+        assert isinstance(sliced, torchshm.SharedList)
+        assert sliced == items[slice(*cut)]
+        assert (probe in shared) == (probe in items)
+        assert shared.count(probe) == items.count(probe)
+        assert outcome(shared.index, probe) == outcome(items.index, probe)
+    assert (shared == items + [0]) is False
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(keys, values), max_size=12),
+    probe=probes,
+)
+def test_dict_parity(pairs, probe):
+    plain = dict(pairs)
+    for shared in (torchshm.SharedDict(pairs), roundtrip(torchshm.SharedDict(plain))):
+        assert len(shared) == len(plain)
+        assert shared == plain and plain == shared
+        assert list(shared) == list(plain)  # insertion order
+        assert list(shared.keys()) == list(plain.keys())
+        assert list(shared.values()) == list(plain.values())
+        assert list(shared.items()) == list(plain.items())
+        for key in plain:
+            assert key in shared and shared[key] == plain[key]
+        assert outcome(shared.__contains__, probe) == outcome(plain.__contains__, probe)
+        assert outcome(shared.__getitem__, probe) == outcome(plain.__getitem__, probe)
+        assert outcome(shared.get, probe, "none") == outcome(plain.get, probe, "none")
+        assert shared.keys() == plain.keys()
+    assert dict(shared) == plain
+
+
+def test_numeric_lookups_follow_dict_equality():
+    plain = {1: "one", 0: "zero", (1, "a"): "tuple", "s": "str"}
+    shared = torchshm.SharedDict(plain)
+    for probe in (True, 1.0, np.int64(1), np.float32(1), 1 + 0j, False, (1.0, "a")):
+        assert shared[probe] == plain[probe]
+    for probe in (1.5, float("nan"), float("inf"), "1", b"s", (1, "b")):
+        assert probe not in shared and probe not in plain
+    assert shared[np.str_("s")] == "str"
+    with pytest.raises(TypeError, match="unhashable"):
+        shared[[1]]
+
+
+def test_equality_with_other_types():
+    shared = torchshm.SharedList([1, 2])
+    assert shared != (1, 2) and [1, 2] != (1, 2)  # as for a list
+    assert shared == torchshm.SharedList([1, 2])
+    assert torchshm.SharedDict({"a": 1}) != [("a", 1)]
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(shared)
+
+
+def test_items_are_fresh_copies():
+    shared = torchshm.SharedList([{"boxes": [1, 2]}])
+    first = shared[0]
+    first["boxes"].append(3)
+    assert shared[0] == {"boxes": [1, 2]} and shared[0] is not shared[0]
+
+
+def test_indices_of_other_types():
+    shared = torchshm.SharedList("abc")
+    assert shared[np.int64(1)] == "b"
+    with pytest.raises(TypeError, match="integers or slices, not str"):
+        shared["1"]
+
+
+# --- read-only ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s.append(1),
+        lambda s: s.extend([1]),
+        lambda s: s.insert(0, 1),
+        lambda s: s.pop(),
+        lambda s: s.remove(1),
+        lambda s: s.clear(),
+        lambda s: s.sort(),
+        lambda s: s.reverse(),
+        lambda s: s.__setitem__(0, 5),
+        lambda s: s.__delitem__(0),
+        lambda s: s.__iadd__([1]),
+        lambda s: s.__imul__(2),
+    ],
+)
+def test_list_mutation_says_how_to_build_a_new_one(mutate):
+    shared = torchshm.SharedList([1, 2])
+    with pytest.raises(TypeError, match=r"read-only.*SharedList\(\[\*shared, item\]\)"):
+        mutate(shared)
+    assert shared == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.__setitem__("a", 2),
+        lambda d: d.__delitem__("a"),
+        lambda d: d.pop("a"),
+        lambda d: d.popitem(),
+        lambda d: d.clear(),
+        lambda d: d.update(b=1),
+        lambda d: d.setdefault("b", 1),
+        lambda d: d.__ior__({"b": 1}),
+    ],
+)
+def test_dict_mutation_says_how_to_build_a_new_one(mutate):
+    shared = torchshm.SharedDict(a=1)
+    with pytest.raises(TypeError, match=r"read-only.*SharedDict\(\{\*\*shared"):
+        mutate(shared)
+    assert shared == {"a": 1}
+
+
+def test_augmented_assignment_is_refused():
+    shared = torchshm.SharedList([1])
+    with pytest.raises(TypeError, match="read-only"):
+        shared += [2]
+
+
+# --- bad items, keys and arrays -------------------------------------------------
+
+
+def test_unpicklable_item_is_named_by_index():
+    with pytest.raises(TypeError, match=r"SharedList: item 2 \(function\) cannot be"):
+        torchshm.SharedList([1, 2, lambda: 3])
+
+
+def test_unpicklable_value_is_named_by_key():
+    with pytest.raises(TypeError, match=r"the value of key 'bad' \(generator\)"):
+        torchshm.SharedDict({"ok": 1, "bad": (i for i in range(2))})
+
+
+@pytest.mark.parametrize("key", [1.5, True, frozenset(), (1, 2.0), np.int64(3)])
+def test_keys_of_other_types_are_refused(key):
+    with pytest.raises(TypeError, match="keys must be str, int, bytes, None"):
+        torchshm.SharedDict({key: 1})
+
+
+def test_arrays_that_are_not_a_container_are_refused():
+    from torchshm import _containers
+
+    with pytest.raises(TypeError, match="SharedList's offsets"):
+        _containers.rebuild_shared_list(np.zeros(4, np.uint8), np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="inconsistent SharedDict"):
+        _containers.rebuild_shared_dict(
+            np.zeros(4, np.uint8), *(np.zeros(k, np.int64) for k in (3, 4, 1))
+        )
+
+
+# --- empty and nested ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [torchshm.SharedList, torchshm.SharedDict])
+def test_empty_containers(make):
+    shared = make()
+    empty = [] if make is torchshm.SharedList else {}
+    assert len(shared) == 0 and list(shared) == [] and shared == empty
+    for copy in (roundtrip(shared), pickle.loads(pickle.dumps(shared))):
+        assert len(copy) == 0 and copy == empty
+    assert "x" not in shared
+
+
+def test_nested_containers_are_kept_by_reference():
+    inner = torchshm.SharedList(cc.records(50))
+    table = torchshm.SharedDict({"k": "v"})
+    outer = torchshm.SharedList([inner, {"inner": table}, inner])
+    got = outer[0]
+    assert isinstance(got, torchshm.SharedList) and got == inner
+    # The same shared pages, not a copy of them in the outer buffer.
+    assert np.shares_memory(got._buf, inner._buf)
+    assert outer.nbytes < inner.nbytes
+    assert outer[1]["inner"]["k"] == "v"
+    assert len(outer._children) == 2  # inner once, although held twice
+    received = roundtrip(outer)
+    assert received[2] == inner and np.shares_memory(received[2]._buf, inner._buf)
+    # An item's raw pickle names its child by number: only the container reads it.
+    raw = outer._view[outer._off[0] : outer._off[1]]
+    with pytest.raises(pickle.UnpicklingError, match="through its container"):
+        pickle.loads(raw)
+
+
+def test_nested_in_a_dict():
+    inner = torchshm.SharedDict({i: cc.record(i) for i in range(20)})
+    outer = torchshm.SharedDict({"train": inner, "n": 20})
+    assert outer["train"][3] == cc.record(3)
+    assert pickle.loads(pickle.dumps(outer))["train"][19] == cc.record(19)
+
+
+# --- pickling: O(1) with torchshm, by value with pickle --------------------------
+
+
+def test_pickling_is_a_reference_whatever_the_size():
+    small = torchshm.SharedList(cc.records(100))
+    large = torchshm.SharedList(cc.records(20_000))
+    assert torchshm.is_shared(large._buf) and torchshm.is_shared(large._offsets)
+    assert abs(pickled_size(large) - pickled_size(small)) < 16  # digits of sizes
+    assert pickled_size(large) < 1000 < large.nbytes // 1000
+    received = roundtrip(large)
+    assert np.shares_memory(received._buf, large._buf)
+    assert received[12_345] == cc.record(12_345)
+    # Plain pickle (files) carries the buffers by value.
+    assert len(pickle.dumps(large)) > large._buf.nbytes
+    assert pickle.loads(pickle.dumps(large)) == large
+
+
+def test_handles_load_a_reference():
+    table = torchshm.SharedDict({r["file_name"]: r for r in cc.records(2000)})
+    handle = torchshm.dumps(table)
+    assert len(handle) < 4000
+    loaded = torchshm.loads(handle)
+    assert np.shares_memory(loaded._buf, table._buf)
+    assert loaded["000000001999.jpg"] == cc.record(1999)
+    # The handle lives as long as the exported SharedDict (weakly referenced).
+    del table, loaded
+    gc.collect()
+    with pytest.raises(torchshm.HandleError):
+        torchshm.loads(handle)
+
+
+def test_buffers_are_read_only():
+    shared = torchshm.SharedList([1])
+    for arr in (shared._buf, shared._offsets, roundtrip(shared)._buf):
+        assert not arr.flags.writeable
+
+
+def test_without_the_reducers_the_buffers_stay_private():
+    with torchshm.disabled():
+        shared = torchshm.SharedList(cc.records(10))
+    assert not torchshm.is_shared(shared._buf)
+    assert shared[9] == cc.record(9)
+
+
+# --- workers: fork, spawn, forkserver ---------------------------------------------
+
+
+def test_workers_read_every_item_without_writing_a_page(ctx, child):
+    items = cc.records(3000)
+    containers = {
+        "list": torchshm.SharedList(items),
+        "dict": torchshm.SharedDict({r["file_name"]: r for r in items}),
+    }
+    for name, shared in containers.items():
+        # The parent reads every item, so every page of the buffer is mapped
+        # here too: a page only the child mapped would count as private.
+        if name == "list":
+            expected = list(shared)
+        else:
+            expected = list(shared.items())
+            expected += [(key, shared[key]) for key in shared]
+        c = child(ctx, cc.read_every_item, shared)
+        report = c.receive()
+        c.send("done")
+        assert c.close() == 0
+        assert report["len"] == len(items) and report["shared"]
+        assert report["checksum"] == cc.checksum(expected)
+        (mapping,) = report["mappings"]
+        assert _doctor.SEGMENT_MAPPING in mapping["path"]
+        assert mapping["perms"][3] == "s"  # a shared mapping: no copy-on-write
+        assert mapping["private_dirty_kb"] == 0, mapping
+
+
+def test_forked_readers_dirty_no_pages_unlike_a_plain_list(child):
+    """The copy-on-read problem itself: a forked child reading a plain list of
+    records writes (so copies) the pages of every record; reading the same
+    records from a SharedList copies none."""
+    ctx = torch.multiprocessing.get_context("fork")
+    items = cc.records(40_000)  # ~45 MB of Python objects
+    growth = {}
+    for name, container in (("list", items), ("shared", torchshm.SharedList(items))):
+        c = child(ctx, cc.dirty_growth, container)
+        growth[name] = c.receive()
+        assert c.close() == 0
+    assert growth["list"] > 16 * 1024, growth  # kB: most of the records' pages
+    assert growth["shared"] < growth["list"] / 10, growth
+
+
+def test_nested_in_workers(ctx, child):
+    inner = torchshm.SharedList(["a", "b"])
+    outer = torchshm.SharedList([inner, {"inner": torchshm.SharedDict(k=7)}])
+    c = child(ctx, cc.read_nested, outer)
+    assert c.receive() == [["a", "b"], 7, True]
+    assert c.close() == 0
+
+
+# --- share(containers=True) -------------------------------------------------------
+
+
+def test_share_converts_lists_and_dicts_only_when_asked():
+    dataset = cc.MetadataDataset(1500)
+    plain = torchshm.share(dataset)
+    assert type(plain.records) is list and type(plain.by_name) is dict
+
+    shared = torchshm.share(dataset, containers=True)
+    assert isinstance(shared.records, torchshm.SharedList)
+    assert isinstance(shared.by_name, torchshm.SharedDict)
+    assert shared.records == dataset.records and shared.by_name == dataset.by_name
+    assert torchshm.is_shared(shared.records._buf)
+    assert type(shared.classes) is list  # fewer than min_items
+    assert torchshm.is_shared(shared.image_sizes)  # arrays shared as before
+    assert pickled_size(shared) < 8000  # every part a reference
+    assert shared[7] == {"id": 7, "same": True, "kind": "SharedList", "shared": True}
+
+    smaller = torchshm.share(dataset, containers=True, min_items=2)
+    assert isinstance(smaller.classes, torchshm.SharedList)
+
+
+def test_share_keeps_lists_that_hold_arrays_or_tensors():
+    big = [np.full(100_000, i, dtype=np.float32) for i in range(3)]
+    holder = {
+        "arrays": big * 400,
+        "float_keys": {float(i): i for i in range(1200)},
+        "small_arrays": [np.zeros(2)] * 1200,
+    }
+    torchshm.set_threshold(1 << 18)
+    shared = torchshm.share(holder, containers=True)
+    assert type(shared["arrays"]) is list and torchshm.is_shared(shared["arrays"][0])
+    assert type(shared["float_keys"]) is dict
+    assert isinstance(shared["small_arrays"], torchshm.SharedList)
+    assert np.array_equal(shared["small_arrays"][5], np.zeros(2))
+    # Tensors are torch's to share (decided without pickling one here: torch
+    # would start its fd-passing machinery in this process).
+    from torchshm import _containers
+
+    assert _containers.reduce_converted([torch.zeros(2)] * 1200, 1000) is None
+
+
+def test_share_names_the_unpicklable_item():
+    data = {"records": [1] * 1500 + [lambda: 0]}
+    with pytest.raises(TypeError, match=r"torchshm.share: item 1500 \(function\)"):
+        torchshm.share(data, containers=True)
+    with pytest.raises(ValueError, match="min_items"):
+        torchshm.share(data, containers=True, min_items=-1)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_shared_dataset_in_dataloader_workers(method):
+    dataset = torchshm.share(cc.MetadataDataset(2000), containers=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=method,
+        worker_init_fn=torchshm.worker_init_fn,
+        sampler=range(0, 2000, 97),
+        timeout=cc.TIMEOUT,
+    )
+    got = list(loader)
+    assert [g["id"] for g in got] == list(range(0, 2000, 97))
+    assert all(g["same"] and g["shared"] and g["kind"] == "SharedList" for g in got)
+
+
+# --- huge: more than 2 GiB of items ----------------------------------------------
+
+HUGE_ITEM = 750 << 20  # 3 items: 2.2 GiB, past any 32-bit offset
+
+
+def _room_for(nbytes):
+    # Segments are memfds: memory, not /dev/shm, bounds them.
+    return psutil.virtual_memory().available > 3 * nbytes
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _room_for(3 * HUGE_ITEM), reason="needs ~7 GiB of memory")
+def test_huge_items_past_2_gib(child):
+    def items():  # built one at a time: the test holds < 6 GB at its peak
+        for i in range(3):
+            yield bytes([i + 1]) * HUGE_ITEM
+
+    huge = torchshm.SharedList(items())
+    try:
+        gc.collect()
+        assert huge._offsets[-1] > 2**31 and len(huge) == 3
+        assert torchshm.is_shared(huge._buf)
+        for i in (0, 2, -1):
+            item = huge[i]
+            assert len(item) == HUGE_ITEM and item[:1] == item[-1:] == bytes(
+                [i % 3 + 1]
+            )
+            del item
+        assert len(huge[1:]) == 2 and huge[1:]._offsets[0] > 2**29
+        assert pickled_size(huge) < 1000
+        ctx = torch.multiprocessing.get_context("fork")
+        c = child(ctx, cc.read_last_huge, huge)
+        assert c.receive() == (HUGE_ITEM, b"\x03", b"\x03")
+        assert c.close() == 0
+    finally:
+        del huge
+        gc.collect()
+        torchshm.trim()
