@@ -8,12 +8,15 @@ or populate a fresh segment (csrc/segment.cpp), joined before the send
 returns, and the expiry timer that gives idle memory back
 (torchshm/_segments.py), which torchshm's own before-fork hook stops and the
 next send or receive restarts (not the after-fork hook: Python 3.13 counts
-threads after those hooks). So at the fork, and right after it, a process
-that sent and received large arrays has the threads it had before, every
-time: the test forks right after sending, many times over. The warnings
-seen in the suite's fork tests come from other threads: a
-multiprocessing.Queue's feeder thread (alive until the queue is closed) and
-torch's intra-op thread pool, both in the test process itself.
+threads after those hooks). A joined thread is still listed for a moment
+(pthread_join and Thread.join return before the task leaves the thread
+group), long enough on a busy machine to be counted: the hook also waits
+until they are gone (Note [Threads at fork] in csrc/parallel.h). So at the
+fork, and right after it, a process that sent and received large arrays has
+the threads it had before, every time: the test forks right after sending,
+many times over. The warnings seen in the suite's fork tests come from other
+threads: a multiprocessing.Queue's feeder thread (alive until the queue is
+closed) and torch's intra-op thread pool, both in the test process itself.
 """
 
 import json
@@ -91,7 +94,7 @@ SCRIPT = textwrap.dedent(
         "copy_threads": _config.copy_threads(),
         "before": before,
         "python_threads": [t.name for t in threading.enumerate()],
-        "fork_waits_timed_out": torchshm.stats().get("fork_waits_timed_out"),
+        "fork_waits_timed_out": torchshm.stats()["fork_waits_timed_out"],
         "rounds": rounds,
     }))
     """
@@ -121,3 +124,25 @@ def test_no_torchshm_thread_is_alive_at_fork(tmp_path):
         assert r["after_fork"] == result["before"], (n, r, summary)
         if result["before"] == 1:  # nothing else started a thread: no warning
             assert r["warnings"] == [], (n, r, summary)
+
+
+BOUND = textwrap.dedent(
+    """
+    import json, numpy as np, torchshm
+    from multiprocessing.reduction import ForkingPickler
+    from torchshm import _C, _segments
+
+    received = ForkingPickler.loads(ForkingPickler.dumps(np.arange(100_000)))
+    # The expiry timer runs (there is a pooled segment to watch): a wait for
+    # torchshm's threads reaches its bound, and says so.
+    running = _segments._expiry._thread is not None
+    timed_out = not _C.wait_threads_gone(0.05)
+    counted = torchshm.stats()["fork_waits_timed_out"]
+    _segments._expiry.halt()
+    print(json.dumps([running, timed_out, counted, _C.wait_threads_gone(10.0)]))
+    """
+)
+
+
+def test_a_wait_that_reaches_its_bound_is_counted(tmp_path):
+    assert run_script(tmp_path, BOUND) == [True, True, 1, True]

@@ -257,6 +257,7 @@ class _Expiry:
             self.ensure()
 
     def _run(self):
+        _C.name_this_thread(_C.EXPIRY_THREAD_NAME)  # Note [Threads at fork]
         while True:
             idle = _config.pool_idle_seconds()
             if self._stop.wait(max(0.05, min(1.0, idle / 4))):
@@ -285,8 +286,10 @@ _for_child = []
 
 def _before_fork():
     # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
-    # thread holding a lock would leave it held in the child).
+    # thread holding a lock would leave it held in the child): joined, and
+    # gone from /proc/self/task (Note [Threads at fork] in csrc/parallel.h).
     _expiry.halt()
+    _C.wait_threads_gone()
     _lock.acquire()
     try:
         live = [o for o in (ref() for ref in _live.values()) if o is not None]
