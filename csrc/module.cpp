@@ -1,5 +1,6 @@
 // Bindings only: the mechanism lives in segment.cpp, table.cpp, identity.cpp,
-// allocator.cpp, ndarray.cpp, pool.cpp, plan.cpp, message.cpp and stats.cpp.
+// allocator.cpp, ndarray.cpp, pool.cpp, plan.cpp, message.cpp, parallel.cpp
+// and stats.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
@@ -10,6 +11,7 @@
 #include "message.h"
 #include "ndarray.h"
 #include "numpy_api.h"
+#include "parallel.h"
 #include "plan.h"
 #include "pool.h"
 #include "segment.h"
@@ -350,6 +352,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_counters", [] {
     for (auto& c : torchshm::counters) c.store(0);
   });
+
+  // Note [Threads at fork] (parallel.h). wait_threads_gone runs in a
+  // before-fork hook with the GIL held, so no Python thread starts a copy
+  // meanwhile.
+  m.def("name_this_thread", &torchshm::name_this_thread, py::arg("name"));
+  m.attr("EXPIRY_THREAD_NAME") = torchshm::kExpiryThreadName;
+  m.def("wait_threads_gone", &torchshm::wait_threads_gone,
+        py::arg("timeout_seconds") = 1.0);
 
   m.def("wrap_ndarray", &torchshm::wrap_ndarray, py::arg("owner"),
         py::arg("offset"), py::arg("dtype"), py::arg("shape"),

@@ -101,34 +101,40 @@ py::object wrap_ndarray(const at::Tensor& owner, int64_t offset,
   TORCH_CHECK(shape.size() == strides.size() && shape.size() <= NPY_MAXDIMS,
               "expected shape and strides of one rank, got ", shape.size(),
               " and ", strides.size());
-  PyArray_Descr* descr = nullptr;
-  // PyArray_DescrConverter returns a new reference, which
-  // PyArray_NewFromDescr steals.
-  if (!PyArray_DescrConverter(dtype.ptr(), &descr))
-    throw py::error_already_set();
-  std::pair<int64_t, int64_t> extent;
-  try {
-    extent = extent_of(descr_itemsize(descr), shape, strides);
-  } catch (...) {
-    Py_DECREF(descr);
-    throw;
-  }
-  const auto [lo, hi] = extent;
+  PyArray_Descr* raw = nullptr;
+  if (!PyArray_DescrConverter(dtype.ptr(), &raw)) throw py::error_already_set();
+  // Owned here until PyArray_NewFromDescr steals it.
+  py::object descr =
+      py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(raw));
+  // Segment bytes are never Python objects: the sender pickles such arrays
+  // by value, so only a crafted message names one, and its items would be
+  // read as pointers.
+  TORCH_CHECK_TYPE(!PyDataType_REFCHK(raw), "dtype ",
+                   std::string(py::repr(descr)),
+                   " holds references to Python objects and cannot be "
+                   "rebuilt over shared memory: expected a dtype of plain "
+                   "bytes (torchshm sends object, StringDType and "
+                   "structured-with-object arrays by value)");
+  const auto [lo, hi] = extent_of(descr_itemsize(raw), shape, strides);
+  // Checked for an empty view too: it reads nothing, but its data pointer is
+  // where as_strided or a resize would read. As lo <= 0 <= hi, this also
+  // keeps the offset itself within [0, size].
   int64_t first = 0;
   int64_t last = 0;
-  if (hi > lo && (__builtin_add_overflow(offset, lo, &first) ||
-                  __builtin_add_overflow(offset, hi, &last) || first < 0 ||
-                  last > owner.numel())) {
-    Py_DECREF(descr);
-    TORCH_CHECK(false, "view of bytes [", lo, ", ", hi, ") at offset ", offset,
-                " reaches outside its storage of ", owner.numel(), " bytes");
-  }
+  TORCH_CHECK(!__builtin_add_overflow(offset, lo, &first) &&
+                  !__builtin_add_overflow(offset, hi, &last) && first >= 0 &&
+                  last <= owner.numel(),
+              "view of bytes [", lo, ", ", hi, ") at offset ", offset,
+              " reaches outside its storage of ", owner.numel(),
+              " bytes: expected the offset and those bytes within [0, ",
+              owner.numel(), "]");
   std::vector<npy_intp> dims(shape.begin(), shape.end());
   std::vector<npy_intp> steps(strides.begin(), strides.end());
   auto* data = static_cast<char*>(owner.data_ptr()) + offset;
   PyObject* arr = PyArray_NewFromDescr(
-      &PyArray_Type, descr, static_cast<int>(dims.size()), dims.data(),
-      steps.data(), data, writeable ? NPY_ARRAY_WRITEABLE : 0, nullptr);
+      &PyArray_Type, reinterpret_cast<PyArray_Descr*>(descr.release().ptr()),
+      static_cast<int>(dims.size()), dims.data(), steps.data(), data,
+      writeable ? NPY_ARRAY_WRITEABLE : 0, nullptr);
   if (arr == nullptr) throw py::error_already_set();
   py::object result = py::reinterpret_steal<py::object>(arr);
   py::object base = py::cast(owner);

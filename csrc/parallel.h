@@ -2,13 +2,48 @@
 // threads, without ever failing because a thread could not start.
 #pragma once
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
 
 namespace torchshm {
+
+// Note [Threads at fork]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// No torchshm thread may be alive at a fork (Python 3.12+ warns when
+// /proc/self/stat counts more than one thread; a thread forked mid-work
+// leaves its locks held in the child). Joining is not enough: pthread_join
+// returns when the kernel clears the thread id, and Python's Thread.join
+// when the thread state is released, both before the task leaves the thread
+// group, and on a busy machine it stays listed in /proc/self/task for a
+// while. So every thread torchshm starts names itself "torchshm-<role>"
+// first thing (the copy and populate workers here, the expiry timer in
+// torchshm/_segments.py), and the before-fork hook, once it has joined the
+// timer, waits (bounded) until no thread so named is listed. By name, not by
+// thread id: it also finds a timer that ended on its own a moment ago, and a
+// recycled id is never waited for. The wait is there, once per fork, rather
+// than after every join: a fork is when it matters, and copies pay only the
+// one system call that names each worker. A wait that reaches its bound lets
+// the fork go on and counts fork_waits_timed_out.
+
+// The names torchshm gives its threads, in full: a user's thread whose name
+// merely starts alike (a thread inherits its creator's name, the main thread
+// the executable's) is never waited for.
+constexpr char kWorkerThreadName[] = "torchshm-worker";
+constexpr char kExpiryThreadName[] = "torchshm-expiry";
+
+// Names the calling thread `name`, one of the names above.
+void name_this_thread(const std::string& name);
+
+// Waits, at most `timeout_seconds`, until /proc/self/task lists no thread
+// named by name_this_thread. True if none was left in time; if one was,
+// counts fork_waits_timed_out and returns false. Never throws.
+bool wait_threads_gone(double timeout_seconds);
 
 // Calls work(begin, length) on consecutive chunks covering [0, n): chunk
 // boundaries are multiples of `align`, at most `threads` chunks, each of at
@@ -35,7 +70,10 @@ void parallel_chunks(int64_t n, int threads, int64_t min_per_thread,
     const int64_t len = std::min(chunk, n - begin);
     if (len <= 0) break;
     try {
-      pool.threads.emplace_back([=] { work(begin, len); });
+      pool.threads.emplace_back([=] {
+        ::pthread_setname_np(::pthread_self(), kWorkerThreadName);
+        work(begin, len);
+      });
     } catch (const std::system_error&) {
       mine_from = begin;
       break;

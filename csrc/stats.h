@@ -21,6 +21,7 @@ enum Counter : int {
   kTicketsUnavailable,
   kAllocationsShared,
   kAllocationsFallback,
+  kForkWaitsTimedOut,
   kCounterCount,
 };
 

@@ -7,6 +7,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
+import torch
 from numpy.lib.stride_tricks import as_strided
 
 import torchshm
@@ -153,3 +154,84 @@ def test_a_receiver_that_never_imported_torchshm(no_leaks, child):
     assert c.close() == 0
     assert not result["imported_before"] and result["imported_after"]
     assert result["arrays"] == [(a.dtype.str, a.shape, a.tobytes()) for a in arrays]
+
+
+# Crafted messages (GitHub issue 19): a pickle can name torchshm's rebuild
+# function with any arguments. Each must be refused with an error at load,
+# before any array exists: a view reaching outside its storage, or a dtype
+# whose items are pointers, crashes whoever touches it.
+
+_OWNER_BYTES = 4096
+
+
+class _Crafted:
+    """Pickles as a call to the rebuild function with arguments made by hand."""
+
+    def __init__(self, *view):
+        self.view = view
+
+    def __reduce__(self):
+        from torchshm._reduction import rebuild_ndarray
+
+        owner = torch.full((_OWNER_BYTES,), 0x41, dtype=torch.int8)
+        return rebuild_ndarray, (owner,) + self.view + (True, None)
+
+
+def _string_dtype():
+    """NumPy 2's variable-width strings: an item points to a heap buffer."""
+    string_dtype = getattr(getattr(np, "dtypes", None), "StringDType", None)
+    if string_dtype is None:
+        pytest.skip(f"NumPy {np.__version__} has no StringDType")
+    return string_dtype()
+
+
+@pytest.mark.parametrize(
+    "offset,dtype,shape,strides",
+    [
+        # A zero-size dimension spans no bytes, but its offset still places
+        # the data pointer: as_strided(received, (1,), (8,)) reads there.
+        (2**46, "<f8", (0,), (8,)),
+        (-8, "<f8", (0, 3), (24, 8)),
+        (_OWNER_BYTES + 1, "<f8", (3, 0), (8, 8)),
+        (2**62, "V0", (5,), (0,)),  # zero itemsize: no bytes either
+        (-1, np.dtype([]), (2,), (0,)),
+    ],
+    ids=["empty_far", "empty_negative", "empty_past_end", "V0_far", "no_fields_neg"],
+)
+def test_crafted_offsets_are_refused(offset, dtype, shape, strides):
+    with pytest.raises(RuntimeError, match="reaches outside its storage"):
+        ForkingPickler.loads(
+            ForkingPickler.dumps(_Crafted(offset, dtype, shape, strides))
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["|O", [("i", "<i4"), ("o", "O")], [("a", "O", (2,))], ("O", (2,)), "string"],
+    ids=["object", "structured_object", "subarray_object", "object_subarray", "T"],
+)
+def test_crafted_dtypes_with_references_are_refused(dtype):
+    """Bytes from a segment are never Python objects (the sender pickles
+    such arrays by value): read as pointers they crash the receiver."""
+    dtype = _string_dtype() if dtype == "string" else np.dtype(dtype)
+    shape, strides = (4,), (dtype.itemsize,)
+    with pytest.raises(TypeError, match="holds references"):
+        ForkingPickler.loads(ForkingPickler.dumps(_Crafted(0, dtype, shape, strides)))
+    with pytest.raises(TypeError, match="holds references"):
+        ForkingPickler.loads(ForkingPickler.dumps(_Crafted(0, dtype, (0,), strides)))
+
+
+@pytest.mark.parametrize(
+    "offset,dtype,shape,strides",
+    [
+        (0, "<f8", (0,), (8,)),
+        (_OWNER_BYTES, "<f8", (0, 2), (16, 8)),  # one past the end, like NumPy's own
+        (_OWNER_BYTES, "S0", (3,), (0,)),
+        (_OWNER_BYTES - 8, "<f8", (1,), (8,)),
+    ],
+)
+def test_crafted_views_inside_their_storage_still_load(offset, dtype, shape, strides):
+    got = ForkingPickler.loads(
+        ForkingPickler.dumps(_Crafted(offset, dtype, shape, strides))
+    )
+    assert got.shape == shape and got.dtype == np.dtype(dtype)

@@ -3,15 +3,20 @@
 Python 3.12+ warns "This process is multi-threaded, use of fork() may lead to
 deadlocks in the child" when a process forks with more than one OS thread
 (it counts /proc/self/stat's threads, not only Python's). torchshm's threads
-are the ones that split a large copy into shared memory (csrc/ndarray.cpp),
-joined before the send returns, and the expiry timer that gives idle memory
-back (torchshm/_segments.py), which torchshm's own before-fork hook stops and
-the next send or receive restarts (not the after-fork hook: Python 3.13
-counts threads after those hooks). So at the fork, and right after it, a
-process that sent and received large arrays has the threads it had before.
-The warnings seen in the suite's fork tests come from other threads: a
-multiprocessing.Queue's feeder thread (alive until the queue is closed) and
-torch's intra-op thread pool, both in the test process itself.
+are the ones that split a large copy into shared memory (csrc/ndarray.cpp)
+or populate a fresh segment (csrc/segment.cpp), joined before the send
+returns, and the expiry timer that gives idle memory back
+(torchshm/_segments.py), which torchshm's own before-fork hook stops and the
+next send or receive restarts (not the after-fork hook: Python 3.13 counts
+threads after those hooks). A joined thread is still listed for a moment
+(pthread_join and Thread.join return before the task leaves the thread
+group), long enough on a busy machine to be counted: the hook also waits
+until they are gone (Note [Threads at fork] in csrc/parallel.h). So at the
+fork, and right after it, a process that sent and received large arrays has
+the threads it had before, every time: the test forks right after sending,
+many times over. The warnings seen in the suite's fork tests come from other
+threads: a multiprocessing.Queue's feeder thread (alive until the queue is
+closed) and torch's intra-op thread pool, both in the test process itself.
 """
 
 import json
@@ -25,20 +30,33 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys, threading, warnings
 
-    # Before-fork hooks run in reverse order of registration: this one runs
-    # after torchshm's, right before the fork itself.
-    at_fork, after_fork = [], []
-    os.register_at_fork(
-        before=lambda: at_fork.append(len(os.listdir("/proc/self/task")))
-    )
-    import numpy as np
-    import torchshm
-    from multiprocessing.reduction import ForkingPickler
-    from torchshm import _config
+    ROUNDS = int(sys.argv[1])
+
+    def tasks():  # "name state" of each thread that /proc/self/task lists
+        listed = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+                name, state = stat[stat.index("(") + 1 :].rsplit(") ", 1)
+                listed.append(f"{name} {state[0]}")
+            except OSError:  # gone since it was listed
+                listed.append("gone")
+        return listed
 
 
     def threads():
         return len(os.listdir("/proc/self/task"))
+
+
+    # Before-fork hooks run in reverse order of registration: this one runs
+    # after torchshm's, right before the fork itself.
+    at_fork, after_fork = [], []
+    os.register_at_fork(before=lambda: at_fork.append(tasks()))
+    import numpy as np
+    import torchshm
+    from multiprocessing.reduction import ForkingPickler
+    from torchshm import _config
 
 
     def fork():
@@ -55,36 +73,76 @@ SCRIPT = textwrap.dedent(
 
 
     before = threads()
-    big = np.arange(50_000_000)  # 400 MB: split between the copy threads
-    received = ForkingPickler.loads(ForkingPickler.dumps(big))
-    batch = torchshm.collate([big[:10_000_000], big[10_000_000:20_000_000]])
+    big = np.arange(4_000_000)  # 32 MB: split between the copy threads
+    rounds = []
+    # Each round restarts the expiry timer and copies, then forks at once:
+    # every fork is a chance to catch a thread of torchshm's that lingers.
+    for _ in range(ROUNDS):
+        received = ForkingPickler.loads(ForkingPickler.dumps(big))
+        batch = torchshm.collate([big[:2_000_000], big[2_000_000:]])
+        shared = torchshm.is_shared(received) and torchshm.is_shared(batch)
+        del received, batch
+        caught = fork()
+        rounds.append({
+            "shared": shared,
+            "at_fork": len(at_fork[-1]),
+            "listed_at_fork": at_fork[-1],
+            "after_fork": after_fork[-1],
+            "warnings": caught,
+        })
     print(json.dumps({
         "copy_threads": _config.copy_threads(),
-        "shared": torchshm.is_shared(received) and torchshm.is_shared(batch),
         "before": before,
         "python_threads": [t.name for t in threading.enumerate()],
-        "warnings": fork(),
-        "at_fork": at_fork[-1],
-        "after_fork": after_fork[-1],
+        "fork_waits_timed_out": torchshm.stats()["fork_waits_timed_out"],
+        "rounds": rounds,
     }))
     """
 )
 
 
-def test_no_torchshm_thread_is_alive_at_fork(tmp_path):
-    script = tmp_path / "fork_after_send.py"
-    script.write_text(SCRIPT)
+def run_script(tmp_path, script, *args):
+    path = tmp_path / "script.py"
+    path.write_text(script)
     run = subprocess.run(
-        [sys.executable, "-W", "error::DeprecationWarning", str(script)],
+        [sys.executable, "-W", "error::DeprecationWarning", str(path), *args],
         capture_output=True,
         text=True,
-        timeout=2 * TIMEOUT,
+        timeout=4 * TIMEOUT,
     )
     assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout)
-    assert result["shared"]
-    # A torchshm thread alive at the fork would be forked mid-whatever-it-does.
-    assert result["at_fork"] == result["before"], result
-    assert result["after_fork"] == result["before"], result
-    if result["before"] == 1:  # nothing else started a thread: no warning
-        assert result["warnings"] == [], result
+    return json.loads(run.stdout)
+
+
+def test_no_torchshm_thread_is_alive_at_fork(tmp_path):
+    result = run_script(tmp_path, SCRIPT, "60")
+    summary = {k: v for k, v in result.items() if k != "rounds"}
+    for n, r in enumerate(result["rounds"]):
+        assert r["shared"], (n, r)
+        # A torchshm thread alive at the fork would be forked mid-whatever-it-does.
+        assert r["at_fork"] == result["before"], (n, r, summary)
+        assert r["after_fork"] == result["before"], (n, r, summary)
+        if result["before"] == 1:  # nothing else started a thread: no warning
+            assert r["warnings"] == [], (n, r, summary)
+
+
+BOUND = textwrap.dedent(
+    """
+    import json, numpy as np, torchshm
+    from multiprocessing.reduction import ForkingPickler
+    from torchshm import _C, _segments
+
+    received = ForkingPickler.loads(ForkingPickler.dumps(np.arange(100_000)))
+    # The expiry timer runs (there is a pooled segment to watch): a wait for
+    # torchshm's threads reaches its bound, and says so.
+    running = _segments._expiry._thread is not None
+    timed_out = not _C.wait_threads_gone(0.05)
+    counted = torchshm.stats()["fork_waits_timed_out"]
+    _segments._expiry.halt()
+    print(json.dumps([running, timed_out, counted, _C.wait_threads_gone(10.0)]))
+    """
+)
+
+
+def test_a_wait_that_reaches_its_bound_is_counted(tmp_path):
+    assert run_script(tmp_path, BOUND) == [True, True, 1, True]

@@ -16,7 +16,7 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT
-from torchshm import _session
+from torchshm import _handles, _session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NBYTES = 16 << 20
@@ -181,3 +181,114 @@ def test_not_a_handle():
         torchshm.loads(pickle.dumps({"x": 1}))
     with pytest.raises(ValueError):
         torchshm.release(b"garbage")
+
+
+# Forged handles (GitHub issue 19): a handle's header comes from outside, so
+# every field is checked before use. A forged one fails with HandleError
+# naming the field; it never reads outside the cell, never loads on a token
+# that only nearly matches, and never fails with a stray IndexError.
+
+FIELDS = ("format", "exporter", "cell", "generation", "index", "token")
+
+
+def header_of(handle):
+    return dict(zip(FIELDS, _handles._peek(handle)[0]))
+
+
+def forge(handle, **changes):
+    """`handle` with some header fields replaced, pickled as dumps() does."""
+    header, payload = _handles._peek(handle)
+    fields = dict(zip(FIELDS, header), **changes)
+    forged = _handles._HandleData(tuple(fields[f] for f in FIELDS), payload)
+    return pickle.dumps(forged, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def assert_refused(forged, errno_=errno.EINVAL, match=None):
+    for load in (torchshm.loads, pickle.loads):
+        with pytest.raises(torchshm.HandleError, match=match) as info:
+            load(forged)
+        assert info.value.errno == errno_, info.value
+
+
+@pytest.fixture
+def handle():
+    """A live handle of a 1000-float array, released after the test."""
+    array = np.arange(1000.0)
+    data = torchshm.dumps(array)
+    yield data
+    assert torchshm.loads(data)[999] == 999.0  # forgeries left it intact
+    assert torchshm.release(data)
+    del array
+
+
+def test_a_token_is_compared_exactly():
+    # NumPy 1.x compares np.uint64 with a Python int as float64: a token that
+    # differs from the real one below float64's precision used to match.
+    array = np.arange(1000.0)
+    for _ in range(20):  # a token below 2**54 has no such twin: try another
+        handle = torchshm.dumps(array)
+        token = header_of(handle)["token"]
+        twins = [t for t in (token - 2, token + 2) if float(t) == float(token)]
+        if twins:
+            break
+    try:
+        assert twins
+        forged = forge(handle, token=twins[0])
+        assert_refused(forged, errno.ESTALE, "no longer valid")
+        assert torchshm.loads(handle)[999] == 999.0
+    finally:
+        del array  # ends every handle of it
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("format", 2),
+        ("format", "1"),
+        ("exporter", None),
+        ("exporter", {"pid": 1}),
+        ("exporter", "pid"),
+        ("process_id", "00ff"),
+        ("process_id", 2**64),
+        ("process_id", -1),
+        ("pid", "1"),
+        ("host", 7),
+        ("cell", 5),
+        ("cell", ""),
+        ("cell", "/etc/passwd"),
+        ("cell", "/torchshm_a/../../x"),
+        ("generation", -1),
+        ("generation", "0"),
+        ("generation", 2**64),
+        ("generation", True),
+        ("index", 0),
+        ("index", -1),
+        ("index", 10**9),
+        ("index", 2**70),
+        ("index", 1.0),
+        ("index", True),
+        ("token", 0),
+        ("token", -1),
+        ("token", 2**63),
+        ("token", 1.0),
+        ("token", "1"),
+    ],
+)
+def test_every_malformed_field_is_a_handle_error(handle, field, value):
+    header = header_of(handle)
+    if field in ("process_id", "pid", "host"):
+        value = dict(header["exporter"], **{field: value})
+        field = "exporter"
+    name = "exporter" if field == "exporter" else field
+    assert_refused(forge(handle, **{field: value}), match=name)
+    with pytest.raises(torchshm.HandleError, match=name):
+        torchshm.release(forge(handle, **{field: value}))
+
+
+def test_an_index_never_reads_another_handles_word(handle):
+    other = np.arange(20.0)
+    second = torchshm.dumps(other)
+    # The other handle's word under this one's token; the word past the cell.
+    assert_refused(forge(handle, index=header_of(second)["index"]), errno.ESTALE)
+    assert_refused(forge(handle, index=(64 << 10) // 8), match="index")
+    assert torchshm.loads(second).shape == (20,)

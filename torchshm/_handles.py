@@ -27,6 +27,8 @@ import errno
 import io
 import os
 import pickle
+import re
+import reprlib
 import secrets
 import socket
 import threading
@@ -43,6 +45,7 @@ _C = load_native()
 
 FORMAT = 1
 _CELL_BYTES = 64 << 10  # one cell segment: 8192 handles of this process
+_CELL_WORDS = _CELL_BYTES // 8
 _lock = threading.Lock()
 _cells = []  # [(int8 tensor over a cell segment, its words as uint64)]
 _free = []  # (cell number, word index) pairs released for reuse
@@ -52,8 +55,10 @@ _exports = {}  # token -> _Export
 class HandleError(OSError):
     """A handle that can no longer be loaded: its exporter released it or
     exited, or this process cannot reach the exporter's session (another
-    host, or a container that does not share its /dev/shm). `.errno` is
-    ESTALE (released, exporter gone) or ENOENT (nothing by that name here)."""
+    host, or a container that does not share its /dev/shm), or it is
+    malformed. `.errno` is ESTALE (released, exporter gone), ENOENT (nothing
+    by that name here) or EINVAL (a header field of the wrong type or range:
+    not made by this torchshm's dumps)."""
 
 
 class _Export:
@@ -153,7 +158,8 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes) -> Any:
     """The object a torchshm.dumps() handle names (see dumps). Raises
     HandleError, naming the exporter, once the handle was released or its
-    exporter exited, or where its shared memory cannot be seen."""
+    exporter exited, or where its shared memory cannot be seen; naming the
+    field, when the handle's header was altered (ValueError: not a handle)."""
     handle = _peek(data)
     if handle is None:
         raise ValueError("torchshm.loads: not a torchshm.dumps() handle")
@@ -168,7 +174,7 @@ def release(data: bytes) -> bool:
     handle = _peek(data)
     if handle is None:
         raise ValueError("torchshm.release: not a torchshm.dumps() handle")
-    (_fmt, exporter, _cell, _generation, _index, token), _payload = handle
+    _fmt, exporter, _cell, _generation, _index, token = _fields(*handle)
     if exporter["process_id"] != _C.process_id():
         return False
     return _drop(token)
@@ -226,20 +232,80 @@ class _Peeker(pickle.Unpickler):
 
 
 def _peek(data):
+    """(header, payload) if `data` is a handle's pickle, else None. The
+    fields are checked by _fields, so that a forged handle is a HandleError
+    (a ValueError says only that the bytes are not a handle at all)."""
     try:
         handle = _Peeker(io.BytesIO(data)).load()
     except Exception:  # noqa: BLE001 - any malformed input: not a handle
         return None
     if not (isinstance(handle, tuple) and len(handle) == 2):
         return None
-    header = handle[0]
-    if not (isinstance(header, tuple) and len(header) == 6 and header[0] == FORMAT):
-        return None
     return handle
 
 
+def _malformed(field, expected, got):
+    return HandleError(
+        errno.EINVAL,
+        f"torchshm: malformed handle: its {field} is {reprlib.repr(got)}, expected"
+        f" {expected}; a handle must be the unchanged bytes of torchshm.dumps()"
+        f" (handle format {FORMAT})",
+    )
+
+
+def _is_locator(text):
+    try:
+        _segments.parse_locator(text)
+    except OSError:
+        return False
+    return True
+
+
+def _int_in(value, low, high):
+    """An int (not a bool, not a float that equals one) in [low, high)."""
+    return type(value) is int and low <= value < high
+
+
+def _fields(header, payload):
+    """The header's fields, each checked for type and range before anything
+    uses it: a handle comes from outside, and a field of the wrong kind must
+    not index, format or compare its way into another handle's word."""
+    if not (isinstance(header, tuple) and len(header) == 6):
+        raise _malformed("header", "a tuple of 6 fields", header)
+    fmt, exporter, cell_name, generation, index, token = header
+    if not _int_in(fmt, FORMAT, FORMAT + 1):
+        raise _malformed("format", f"{FORMAT}, the format this torchshm reads", fmt)
+    expected = {"pid": int, "host": str, "process_id": int, "session": str}
+    if not (
+        type(exporter) is dict
+        and all(type(exporter.get(k)) is t for k, t in expected.items())
+        and _int_in(exporter["pid"], 1, 2**31)
+        # A process id, never a ticket (which holder_alive takes as alive).
+        and _int_in(exporter["process_id"], 1, _C.TICKET_BIT)
+    ):
+        raise _malformed(
+            "exporter",
+            "a dict of pid (a positive int), host (str), process_id (an int in"
+            " [1, 2**63)) and session (str)",
+            exporter,
+        )
+    if not (type(cell_name) is str and _is_locator(cell_name)):
+        raise _malformed(
+            "cell", "a segment locator torchshm:<session>:<uid>:<...>", cell_name
+        )
+    if not _int_in(generation, 0, 2**64):
+        raise _malformed("generation", "an int in [0, 2**64)", generation)
+    if not _int_in(index, 1, _CELL_WORDS):  # word 0 is never used
+        raise _malformed("index", f"an int in [1, {_CELL_WORDS})", index)
+    if not _int_in(token, 1, 2**63):
+        raise _malformed("token", "an int in [1, 2**63)", token)
+    if type(payload) is not bytes:
+        raise _malformed("payload", "bytes", payload)
+    return fmt, exporter, cell_name, generation, index, token
+
+
 def _load(header, payload):
-    _fmt, exporter, cell_name, cell_generation, index, token = header
+    _fmt, exporter, cell_name, cell_generation, index, token = _fields(header, payload)
     who = _describe(exporter)
     _session.join()
     try:
@@ -256,9 +322,21 @@ def _load(header, payload):
             ) from None
         if exc.errno == errno.ESTALE:
             raise _released(who) from None
+        if exc.errno in (errno.EINVAL, errno.EACCES, errno.ELOOP):
+            raise HandleError(
+                exc.errno,
+                f"torchshm: handle exported by {who} names cell {cell_name},"
+                f" which is not a torchshm segment of this user ({exc})",
+            ) from exc
         raise
-    valid = cell.numpy()[index * 8 : index * 8 + 8].view(np.uint64)[0] == token
-    del cell
+    word = cell.numpy()[index * 8 : index * 8 + 8]
+    # As a Python int: NumPy 1.x compares np.uint64 with an int through
+    # float64, which cannot tell tokens apart in their low bits.
+    stored = int(word.view(np.uint64)[0]) if word.size == 8 else None
+    del cell, word
+    if stored is None:  # a segment smaller than a cell: not one
+        raise _malformed("index", f"a word inside cell {cell_name}", index)
+    valid = stored == token
     if not _C.holder_alive(exporter["process_id"]):
         raise HandleError(
             errno.ESTALE,

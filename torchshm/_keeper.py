@@ -91,6 +91,14 @@ MAX_TABLE_CAPACITY = 1 << 16
 
 # ------------------------------------------------------------------ paths
 
+# A session id is part of file names in /dev/shm: letters, digits, _ and -,
+# never a path (secrets.token_hex makes them; TORCHSHM_SESSION may set one).
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def valid_session(session):
+    return isinstance(session, str) and SESSION_ID.fullmatch(session) is not None
+
 
 def socket_path(session):
     return os.path.join(SHM_DIR, f"{PREFIX}{session}.sock")

@@ -20,7 +20,7 @@ import time
 import weakref
 from multiprocessing import util
 
-from torchshm import _config, _memory, _pool, _session, _stats
+from torchshm import _config, _keeper, _memory, _pool, _session, _stats
 from torchshm._compat import load_native
 
 _C = load_native()
@@ -125,7 +125,7 @@ def parse_locator(locator):
     Segment.locator: torchshm:<session>:<uid hex>:<index>:<pid>:<fd>."""
     try:
         tag, session, uid, index, pid, fd = locator.split(":")
-        if tag != "torchshm":
+        if tag != "torchshm" or not _keeper.valid_session(session):
             raise ValueError(tag)
         where = (session, int(uid, 16), int(index), int(pid), int(fd))
     except ValueError:
@@ -409,6 +409,7 @@ class _Expiry:
         return wait
 
     def _run(self):
+        _C.name_this_thread(_C.EXPIRY_THREAD_NAME)  # Note [Threads at fork]
         r = _quiet_pipe[0]
         while True:
             idle = _config.pool_idle_seconds()
@@ -444,8 +445,10 @@ _for_child = []
 
 def _before_fork():
     # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
-    # thread holding a lock would leave it held in the child).
+    # thread holding a lock would leave it held in the child): joined, and
+    # gone from /proc/self/task (Note [Threads at fork] in csrc/parallel.h).
     _expiry.halt()
+    _C.wait_threads_gone()
     _lock.acquire()
     try:
         live = [o for o in (ref() for ref in _live.values()) if o is not None]

@@ -55,7 +55,13 @@ def join():
         return
     with _lock:
         if _connection is None:
-            _join(os.environ.get(ENV_VAR))
+            session = os.environ.get(ENV_VAR)
+            if session and not _keeper.valid_session(session):
+                raise ValueError(
+                    f"torchshm: {ENV_VAR}={session!r}: a session id is 1 to 64"
+                    " letters, digits, _ or -"
+                )
+            _join(session)
 
 
 def _join(session):

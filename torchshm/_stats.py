@@ -26,6 +26,9 @@ COUNTERS = (
     "tickets_unavailable",  # every holder slot taken: sent without a ticket
     "allocations_shared",  # NumPy allocations born in a segment (allocating())
     "allocations_fallback",  # ...that /dev/shm could not take: NumPy's memory
+    # A fork that went on while a joined torchshm thread was still listed
+    # (Note [Threads at fork] in csrc/parallel.h).
+    "fork_waits_timed_out",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(
