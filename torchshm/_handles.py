@@ -27,7 +27,6 @@ import errno
 import io
 import os
 import pickle
-import re
 import reprlib
 import secrets
 import socket
