@@ -106,6 +106,32 @@ def session_segments(session=None):
     return set(keeper_segments(session))
 
 
+def memfd_holders(session, indices):
+    """(pid, index) for every process that still has an fd or a mapping of
+    segment `index` of `session` (its memfd, torchshm-segment:<session>:<index>,
+    csrc/segment.cpp). A memfd's memory is freed when the last of these goes,
+    so an empty answer means the kernel has its pages back: a stronger check
+    than Shmem, which every other process on a shared machine moves too."""
+    wanted = {f"{_doctor.SEGMENT_MAPPING[1:]}{session}:{i}": i for i in indices}
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                name = target[1:].split(" ", 1)[0]  # "/memfd:<name> (deleted)"
+                if name in wanted:
+                    found.add((int(pid), wanted[name]))
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    name = fields[5][1:].split(" ", 1)[0] if len(fields) == 6 else ""
+                    if name in wanted:
+                        found.add((int(pid), wanted[name]))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def open_fds():
     return set(os.listdir("/proc/self/fd"))
 

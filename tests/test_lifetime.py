@@ -26,7 +26,7 @@ import torchshm
 from tests import lifetime_children
 from tests.conftest import TIMEOUT
 from torchshm import _C, _fallback, _keeper, _segments, _session
-from tests.conftest import keeper_segments, session_segments
+from tests.conftest import keeper_segments, memfd_holders, session_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +44,12 @@ def segment_named_in(data):
     with it)."""
     found = re.search(rb"torchshm:[0-9a-f]+:[0-9a-f]{16}", data).group().decode()
     return found
+
+
+def indices_of(names):
+    """The keeper's index of each named segment (its memfd is named after it)."""
+    report = keeper_segments()
+    return sorted(report[n]["index"] for n in names)
 
 
 def delta(before, key):
@@ -424,14 +430,19 @@ def test_a_killed_process_frees_what_only_it_held_within_5_s(method):
     try:
         names = outbox.get(timeout=TIMEOUT)
         assert len(names) == 8 and set(names) <= session_segments()
+        session, indices = _session.session_id(), indices_of(names)
+        assert {i for _, i in memfd_holders(session, indices)} == set(indices)
         os.kill(p.pid, signal.SIGKILL)
         p.join(TIMEOUT)
         killed_at = time.monotonic()
-        # This process, the session's root, stays alive throughout.
-        assert wait_until(lambda: not set(names) & session_segments(), 5.0), sorted(
-            set(names) & session_segments()
-        )
+        # This process, the session's root, stays alive throughout. Within
+        # 5 s no process holds an fd or a mapping of them: their memory is
+        # the kernel's again.
+        assert wait_until(
+            lambda: not memfd_holders(session, indices), 5.0
+        ), memfd_holders(session, indices)
         assert time.monotonic() - killed_at < 5.0
+        assert not set(names) & session_segments()
     finally:
         if p.is_alive():
             p.kill()
@@ -469,14 +480,20 @@ def test_a_sender_killed_mid_write_frees_its_message_while_the_pipe_stays_open()
             assert time.monotonic() < deadline, keeper_segments()
             time.sleep(0.02)
         held = {n for n, s in keeper_segments().items() if s["tickets"]}
+        session, indices = _session.session_id(), indices_of(held)
+        assert {i for _, i in memfd_holders(session, indices)} == set(indices)
         time.sleep(0.2)
         os.kill(p.pid, signal.SIGKILL)
         p.join(TIMEOUT)
         killed_at = time.monotonic()
         # The pipe is open in this process throughout; the half-written
-        # message can never be read, so its memory goes.
-        assert wait_until(lambda: not held & session_segments(), 10.0), held
-        assert time.monotonic() - killed_at < 10.0
+        # message can never be read, so its memory goes: within 5 s no
+        # process holds an fd or a mapping of it.
+        assert wait_until(
+            lambda: not memfd_holders(session, indices), 5.0
+        ), memfd_holders(session, indices)
+        assert time.monotonic() - killed_at < 5.0
+        assert not held & session_segments()
     finally:
         if p.is_alive():
             p.kill()

@@ -1,0 +1,101 @@
+"""Every constant that crosses a seam or a file format, pinned.
+
+The session keeper (torchshm/_keeper.py) is standard library only, so it
+restates csrc/layout.h; the lock files' names are made in C++
+(csrc/identity.cpp) and read in Python; thread and memfd names are given in
+one language and looked for in the other. Each is compared here against the
+native module, and the layout itself against the values this wire format
+promised: a segment or table written by one torchshm is read by another
+running at the same time (two versions in one session, a keeper started by
+either), so changing any of them needs a new magic.
+"""
+
+import re
+
+import numpy as np
+from multiprocessing.reduction import ForkingPickler
+
+import torchshm
+from torchshm import _C, _doctor, _keeper, _stats
+
+# csrc/layout.h as of the "trchshm4" segment and "tshtabl1" table formats.
+PINNED = {
+    "SEGMENT_MAGIC": 0x346D687368637274,
+    "SLOTS": 16384,
+    "SLOT_BYTES": 32,
+    "SLOTS_OFFSET": 64,
+    "SLOT_CHANNEL": 8,
+    "SLOT_WRITER": 16,
+    "SLOT_VERDICT": 24,
+    "CAPACITY_OFFSET": 8,
+    "CREATOR_OFFSET": 16,
+    "UID_OFFSET": 24,
+    "GENERATION_OFFSET": 32,
+    "UNLINKED_OFFSET": 40,
+    "SLOTS_USED_OFFSET": 44,
+    "PINNED_OFFSET": 48,
+    "HEADER_BYTES": 528384,
+    "TICKET_BIT": 1 << 63,
+    "WRITING_BIT": 1 << 62,
+    "TICKET_SLOT_SHIFT": 46,
+    "TICKET_SLOT_MASK": 0xFFFF,
+    "TABLE_MAGIC": 0x316C626174687374,
+    "TABLE_CAPACITY_OFFSET": 8,
+    "TABLE_FD_BASE_OFFSET": 12,
+    "TABLE_BUDGET_OFFSET": 64,
+    "BUDGET_ENTRIES": 512,
+    "BUDGET_ENTRY_BYTES": 16,
+    "TABLE_UIDS_OFFSET": 64 + 512 * 16,
+    "FLAG_TICKETS": 1,
+    "FLAG_RELEASED": 2,
+}
+
+
+def test_the_native_layout_is_the_pinned_one():
+    assert dict(_C.LAYOUT) == PINNED
+
+
+def test_the_keeper_restates_the_layout_it_reads():
+    restated = {k: getattr(_keeper, k) for k in PINNED if hasattr(_keeper, k)}
+    # What the keeper reads: the header, the slots, tickets and the table.
+    assert len(restated) >= len(PINNED) - 3, sorted(set(PINNED) - set(restated))
+    assert restated == {k: _C.LAYOUT[k] for k in restated}
+
+
+def test_the_shortcut_attributes_are_the_layout():
+    assert _C.HEADER_BYTES == _C.LAYOUT["HEADER_BYTES"]
+    assert _C.SLOTS == _C.LAYOUT["SLOTS"]
+    assert _C.TICKET_BIT == _C.LAYOUT["TICKET_BIT"]
+
+
+def test_lock_file_names_are_made_alike_in_both_languages():
+    for holder in (1, 0xABCDEF, 2**63 - 1, 0x0123456789ABCDEF):
+        assert _C.lock_path(holder) == _keeper.process_lock_path(holder)
+    assert _keeper.process_lock_path(5).startswith(_keeper.SHM_DIR + "/")
+
+
+def test_session_files_are_named_after_a_valid_session_only():
+    session = torchshm._session.session_id()
+    assert _keeper.valid_session(session)
+    assert _keeper.socket_path(session) == f"/dev/shm/torchshm-{session}.sock"
+    for bad in ("", "../x", "a/b", "a b", "x" * 65, None, 7):
+        assert not _keeper.valid_session(bad)
+
+
+def test_counter_names_are_the_same_in_both_languages():
+    assert tuple(_C.COUNTER_NAMES) == _stats.COUNTERS
+    assert set(torchshm.stats()) >= set(_stats.COUNTERS)
+
+
+def test_a_segment_mapping_carries_the_name_doctor_looks_for():
+    torchshm.trim()
+    array = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: above the threshold
+    loaded = ForkingPickler.loads(ForkingPickler.dumps(array))
+    assert torchshm.is_shared(loaded)
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    names = {f[5].strip() for f in fields if len(f) == 6}
+    pattern = re.escape(_doctor.SEGMENT_MAPPING) + r"[A-Za-z0-9_-]+:\d+"
+    assert any(re.match(pattern, n) for n in names), sorted(names)[:20]
+    assert _doctor.segment_pss() > 0
+    del loaded
