@@ -260,13 +260,15 @@ def _on_last_view(name, segment, slot):
 
     def keep(_):
         global _idle_bytes
+        # Before the lock: at interpreter exit a daemon thread may have died
+        # holding it (see _exit), and keeping a mapping then is pointless.
+        if _exiting or sys.is_finalizing():
+            return
         with _lock:
             if _live.get(name) is not None and _live[name]() is None:
                 del _live[name]
             if (
-                not _exiting
-                and not sys.is_finalizing()
-                and not segment.unlinked
+                not segment.unlinked
                 and name not in _idle_mappings
                 and segment.has_live_holder(slot)
             ):
@@ -506,6 +508,12 @@ def _at_exit():
 def _exit():
     global _exiting
     _exiting = True
+    # The timer is a daemon thread: left running into interpreter
+    # finalization, it is stopped wherever it is, perhaps holding _lock, and
+    # a weakref callback that takes _lock later (an array freed with a
+    # module's globals) would wait for ever. So it ends here, joined;
+    # ensure() starts no other once _exiting is set.
+    _expiry.halt()
     disown_all()
     _C.remove_own_lock()
     _session.leave()
