@@ -25,7 +25,9 @@ setup(
                 ("TORCHSHM_TORCH_VERSION", f'"{torch.__version__}"'),
                 ("TORCHSHM_NUMPY_VERSION", f'"{numpy.__version__}"'),
             ],
-            extra_compile_args=["-O3", "-std=c++17"],
+            # -g0: no debug info for torch's headers, which every file
+            # includes (a fifth to a third of the compile time, measured).
+            extra_compile_args=["-O3", "-g0", "-std=c++17"],
             libraries=["rt"],
         )
     ],
