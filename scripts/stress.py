@@ -7,8 +7,8 @@ moment. Between batches the driver that founded a session is itself killed
 mid-run. Each driver is a long-lived parent that imported torchshm: at the
 end of its rounds, while it still lives, whatever its dead children held must
 be gone within seconds (live_leftovers). After every driver, once its
-session's processes are gone, no `/dev/shm/torchshm_<session>_*` may remain
-and no process of it may run. Then `--pool-rounds` rounds of
+session's processes are gone, its keeper must have exited holding no
+segment, and no process of it may run. Then `--pool-rounds` rounds of
 `with ctx.Pool(3) as p: p.map(...)` under fork, each bounded by a watchdog:
 Pool.terminate() must end its workers as promptly as without torchshm.
 
