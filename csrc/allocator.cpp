@@ -71,7 +71,8 @@ void* take_block(size_t size, bool zeroed) {
               "hold ",
               size, " bytes");
   void* data = tensor.data_ptr();
-  // A fresh segment is zero already (fallocate); a reused one is not.
+  // A fresh memfd reads as zero however it was populated; a reused segment
+  // holds its last message.
   if (zeroed && reused) std::memset(data, 0, size);
   blocks[reinterpret_cast<uintptr_t>(data)] = {
       owner.release().ptr(), size, static_cast<size_t>(tensor.numel())};

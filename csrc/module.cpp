@@ -151,8 +151,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("holder"))
       .def("cancel_ticket", &Segment::cancel_ticket, py::arg("ticket"))
       .def("mark_written", &Segment::mark_written, py::arg("ticket"))
-      .def("reserve_for_reuse", &Segment::reserve_for_reuse,
-           py::arg("own_slot"))
       .def("has_live_holder", &Segment::has_live_holder,
            py::arg("except_slot") = -1)
       .def("pin", &Segment::pin)

@@ -17,9 +17,11 @@ from torchshm._compat import load_native
 
 _C = load_native()
 
-# Sizes round up to 1/8 of their power of two: at most 12.5% of /dev/shm is
-# reserved in vain, and arrays of similar size share a class. A take accepts
-# a class up to 25% larger than the one wanted.
+# Sizes round up to a multiple of 1/8 of the next power of two: a class is
+# less than 25% larger than what was asked (just above a power of two; less
+# near the next one), and arrays of similar size share it. A take accepts a
+# class up to 25% larger than the one wanted, so a pooled segment may hold
+# up to about 56% more memory than the array it carries.
 _CLASSES = dict(min_class=64 << 10, steps=8, max_waste=1.25)
 # Expired segments, and busy ones whose holders died, are looked for at most
 # this often: the scan is O(pool) and must stay off the per-message path.
