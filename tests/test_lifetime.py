@@ -430,23 +430,28 @@ def test_a_killed_process_frees_what_only_it_held_within_5_s(method):
     try:
         names = outbox.get(timeout=TIMEOUT)
         assert len(names) == 8 and set(names) <= session_segments()
-        session, indices = _session.session_id(), indices_of(names)
-        assert {i for _, i in memfd_holders(session, indices)} == set(indices)
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(TIMEOUT)
-        killed_at = time.monotonic()
-        # This process, the session's root, stays alive throughout. Within
-        # 5 s no process holds an fd or a mapping of them: their memory is
-        # the kernel's again.
-        assert wait_until(
-            lambda: not memfd_holders(session, indices), 5.0
-        ), memfd_holders(session, indices)
-        assert time.monotonic() - killed_at < 5.0
-        assert not set(names) & session_segments()
+        # This process, the session's root, stays alive throughout.
+        kill_and_expect_memory_back(p, set(names))
     finally:
         if p.is_alive():
             p.kill()
         outbox.close()
+
+
+def kill_and_expect_memory_back(process, names):
+    """SIGKILLs `process` and checks that within 5 s no process holds an fd
+    or a mapping of the segments `names` (their memory is the kernel's
+    again) and the keeper has let them go."""
+    session, indices = _session.session_id(), indices_of(names)
+    assert {i for _, i in memfd_holders(session, indices)} == set(indices)
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(TIMEOUT)
+    killed_at = time.monotonic()
+    assert wait_until(lambda: not memfd_holders(session, indices), 5.0), memfd_holders(
+        session, indices
+    )
+    assert time.monotonic() - killed_at < 5.0
+    assert not names & session_segments()
 
 
 def _fill(conn):
@@ -480,20 +485,10 @@ def test_a_sender_killed_mid_write_frees_its_message_while_the_pipe_stays_open()
             assert time.monotonic() < deadline, keeper_segments()
             time.sleep(0.02)
         held = {n for n, s in keeper_segments().items() if s["tickets"]}
-        session, indices = _session.session_id(), indices_of(held)
-        assert {i for _, i in memfd_holders(session, indices)} == set(indices)
         time.sleep(0.2)
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(TIMEOUT)
-        killed_at = time.monotonic()
         # The pipe is open in this process throughout; the half-written
-        # message can never be read, so its memory goes: within 5 s no
-        # process holds an fd or a mapping of it.
-        assert wait_until(
-            lambda: not memfd_holders(session, indices), 5.0
-        ), memfd_holders(session, indices)
-        assert time.monotonic() - killed_at < 5.0
-        assert not held & session_segments()
+        # message can never be read, so its memory goes.
+        kill_and_expect_memory_back(p, held)
     finally:
         if p.is_alive():
             p.kill()
