@@ -5,12 +5,14 @@
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "errors.h"
@@ -30,6 +32,24 @@ Lock child;  // between prepare_child and the end of fork
 // Processes found dead; ids are never reused, so the answer never changes.
 std::unordered_set<uint64_t> dead;
 constexpr size_t kDeadCacheMax = 1 << 14;
+// Note [Alive answers are remembered briefly]
+// Asking a lock file costs five system calls (open, fstat, geteuid, flock,
+// close: ~8 us on a paravirtualized VM), and every received view asks twice
+// when it dies (keep its mapping? last holder?), nearly always about the
+// same live sender. So an alive answer stands for kAliveForNs. That is safe
+// because "alive" is the answer that keeps memory everywhere it is asked (no
+// unlink, no reuse, no budget entry taken, a cached mapping): a holder that
+// died within that time is only found dead a little later, by the next ask or
+// the keeper's scan. A dead answer is never cached for a time: it is final.
+std::unordered_map<uint64_t, int64_t> alive_until;  // holder -> monotonic ns
+constexpr int64_t kAliveForNs = 10 * 1000 * 1000;
+constexpr size_t kAliveCacheMax = 1 << 10;
+
+int64_t monotonic_ns() {
+  struct timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 std::atomic<pid_t> cached_pid{0};
 void refresh_pid() { cached_pid.store(::getpid(), std::memory_order_relaxed); }
@@ -112,6 +132,8 @@ bool holder_alive(uint64_t holder) {
     std::lock_guard<std::mutex> guard(mutex);
     if (holder == self.id || holder == child.id) return true;
     if (dead.count(holder)) return false;
+    const auto it = alive_until.find(holder);
+    if (it != alive_until.end() && monotonic_ns() < it->second) return true;
   }
   bool alive = false;
   // Only a regular file of this user can be a holder's lock: a symlink, a
@@ -127,8 +149,12 @@ bool holder_alive(uint64_t holder) {
             st.st_uid == ::geteuid() && ::flock(fd, LOCK_SH | LOCK_NB) != 0;
     ::close(fd);
   }
-  if (!alive) {
-    std::lock_guard<std::mutex> guard(mutex);
+  std::lock_guard<std::mutex> guard(mutex);
+  if (alive) {
+    if (alive_until.size() >= kAliveCacheMax) alive_until.clear();
+    alive_until[holder] = monotonic_ns() + kAliveForNs;
+  } else {
+    alive_until.erase(holder);
     if (dead.size() >= kDeadCacheMax) dead.clear();
     dead.insert(holder);
   }
@@ -153,6 +179,7 @@ void after_fork_in_child() {
   self = child;
   child = Lock{};
   dead.clear();
+  alive_until.clear();
   if (self.fd >= 0) write_owner(self.fd, ::getpid());
 }
 

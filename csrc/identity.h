@@ -38,7 +38,10 @@ uint64_t self_id();
 void set_lock_session(const std::string& session);
 
 // Whether a holder word names a live holder: tickets are alive (the keeper
-// judges them), a process is alive while its lock is held. Thread-safe.
+// judges them), a process is alive while its lock is held. An alive answer
+// stands for a few milliseconds (Note [Alive answers are remembered briefly]
+// in identity.cpp): callers must treat "alive" as the answer that keeps
+// memory. Thread-safe.
 bool holder_alive(uint64_t holder);
 
 // Fork support (Note [Fork] in torchshm/_segments.py). Before fork the parent

@@ -145,6 +145,30 @@ def test_segment_names_and_process_ids_are_never_reused():
     assert child_id != me and len(child_id) == 16 and child_name != name
 
 
+def test_a_holder_seen_alive_is_found_dead_soon_after_it_dies():
+    # An alive answer stands a few milliseconds (Note [Alive answers are
+    # remembered briefly] in csrc/identity.cpp); a dead one must follow.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, _C.process_id().to_bytes(8, "little"))
+        time.sleep(TIMEOUT)
+        os._exit(0)
+    os.close(w)
+    holder = int.from_bytes(os.read(r, 8), "little")
+    os.close(r)
+    try:
+        assert _C.holder_alive(holder) and _C.holder_alive(holder)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    deadline = time.monotonic() + 5
+    while _C.holder_alive(holder) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not _C.holder_alive(holder)
+
+
 def test_a_cached_mapping_of_a_dead_segment_is_dropped():
     data = dumps(np.ones(20_000))
     received = pickle.loads(data)

@@ -62,10 +62,24 @@ def _pipe_inode_of(find, frame):
 
 def _pipe_inode(conn):
     try:
-        st = os.fstat(conn.fileno())
+        fd = conn.fileno()
     except (AttributeError, OSError, ValueError):
         return 0
-    return st.st_ino if stat.S_ISFIFO(st.st_mode) else 0
+    # Asked for every message: the answer is kept on the Connection, whose
+    # descriptor stays the same file until close() (then fileno() raises).
+    known = getattr(conn, "_torchshm_pipe", None)
+    if known is not None and known[0] == fd:
+        return known[1]
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return 0
+    inode = st.st_ino if stat.S_ISFIFO(st.st_mode) else 0
+    try:
+        conn._torchshm_pipe = (fd, inode)
+    except AttributeError:  # a Connection-like object without a __dict__
+        pass
+    return inode
 
 
 def _send_bytes_then_mark(self, buf, _send_bytes=connection.Connection._send_bytes):

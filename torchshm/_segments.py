@@ -12,6 +12,7 @@ where a receiver finds a segment's fd (_open).
 
 import collections
 import errno
+import functools
 import os
 import select
 import sys
@@ -120,6 +121,8 @@ def attach(locator, ticket, generation):
         return owner
 
 
+# A pooled segment's locator comes back in every message that reuses it.
+@functools.lru_cache(maxsize=1024)
 def parse_locator(locator):
     """(name, (session, uid, index, creator pid, creator fd)) of a
     Segment.locator: torchshm:<session>:<uid hex>:<index>:<pid>:<fd>."""
