@@ -160,9 +160,7 @@ def _share(*arrays):
     Without torchshm's reducers (TORCHSHM_DISABLE=1) they stay private: a
     fork still shares them without copy-on-read, other starts get a copy."""
     if _registry.is_registered():
-        from torchshm._share import share
-
-        arrays = share(arrays)
+        arrays = _registry.round_trip(arrays)
     return tuple(_frozen(a) for a in arrays)
 
 

@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
+from torch.utils.data import IterDataPipe
 
 from torchshm import _allocator, _config, _fallback, _registry, _segments
 from torchshm._compat import load_native
@@ -79,10 +80,8 @@ class RegisterThenCall:
         result = self.fn(*args)
         # A torchdata hook returns the datapipe, which a worker may iterate
         # in another thread (its prefetcher): turn it on there too.
-        from torchshm import torchdata
-
-        if isinstance(result, torchdata.IterDataPipe):
-            result = torchdata.allocating(result)
+        if isinstance(result, IterDataPipe):
+            result = _allocator.allocating_datapipe(result)
         return result
 
     def __repr__(self):

@@ -44,7 +44,7 @@ def share(
             " (it is off because of TORCHSHM_DISABLE=1 or torchshm.disabled())"
         )
     if not containers:
-        return ForkingPickler.loads(ForkingPickler.dumps(obj))
+        return _registry.round_trip(obj)
     if type(min_items) is not int or min_items < 0:
         raise ValueError(f"min_items must be an int >= 0, got {min_items!r}")
     out = io.BytesIO()

@@ -29,8 +29,6 @@ allocate=True)` turns it on in the thread that maps.
 
 from typing import Any, Optional, TypeVar
 
-from torch.utils.data import IterDataPipe
-
 from torchshm import _allocator, _registry, _share
 from torchshm._dataloader import _register_in_worker
 
@@ -39,26 +37,11 @@ T = TypeVar("T")
 __all__ = ["allocating", "in_workers", "to_shared", "worker_init_fn"]
 
 
-class _AllocatingIterDataPipe(IterDataPipe):
-    """Its source, iterated with NumPy allocating large arrays in shared
-    memory in the iterating thread (from then on, as set_allocator does)."""
-
-    def __init__(self, source_datapipe, min_bytes=None):
-        self.source_datapipe, self.min_bytes = source_datapipe, min_bytes
-
-    def __iter__(self):
-        _allocator.set_allocator(True, self.min_bytes)
-        yield from self.source_datapipe
-
-    def __len__(self):
-        return len(self.source_datapipe)
-
-
 def allocating(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
     """An IterDataPipe whose items are made with the allocator on in the
     thread that iterates it (a worker's prefetch thread included): arrays the
     pipeline makes there are born shared and sent without a copy."""
-    return _AllocatingIterDataPipe(datapipe, min_bytes)
+    return _allocator.allocating_datapipe(datapipe, min_bytes)
 
 
 def worker_init_fn(datapipe: T, worker_info: Any = None) -> T:
