@@ -7,13 +7,14 @@
 #include "parallel.h"
 
 namespace torchshm {
-namespace {
 
 PyArrayObject* as_ndarray(py::handle obj) {
   TORCH_CHECK(PyArray_Check(obj.ptr()), "expected a numpy.ndarray, got ",
               std::string(py::str(py::type::handle_of(obj))));
   return reinterpret_cast<PyArrayObject*>(obj.ptr());
 }
+
+namespace {
 
 // The bytes [lo, hi) a view reaches from its first element, computed with
 // overflow checks: a crafted shape or stride must fail, never wrap around

@@ -8,7 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include "numpy_api.h"
+
 namespace torchshm {
+
+// The ndarray behind a handle (a subclass too); anything else is an error.
+PyArrayObject* as_ndarray(py::handle obj);
 
 // The bytes a view spans, as [lo, hi) offsets from its data pointer: lo <= 0
 // when some stride is negative. A zero-size array spans nothing: (0, 0).

@@ -16,14 +16,6 @@ namespace {
 SenderPolicy policy;
 SenderHooks hooks;
 
-inline PyArrayObject* as_array(py::handle obj) {
-  return reinterpret_cast<PyArrayObject*>(obj.ptr());
-}
-
-inline int64_t address(py::handle array) {
-  return reinterpret_cast<int64_t>(PyArray_DATA(as_array(array)));
-}
-
 py::tuple int_tuple(const npy_intp* values, int n) {
   py::tuple out(n);
   for (int i = 0; i < n; ++i) out[i] = py::int_(values[i]);
@@ -83,7 +75,7 @@ py::object take_pooled(int64_t nbytes) {
 // new-style ones (num -1) have a .str that names only their bytes.
 py::tuple view_args(py::handle array, int64_t offset,
                     const std::vector<npy_intp>& strides, py::handle first) {
-  PyArrayObject* a = as_array(array);
+  PyArrayObject* a = as_ndarray(array);
   PyArray_Descr* descr = PyArray_DESCR(a);
   py::handle d(reinterpret_cast<PyObject*>(descr));
   py::object dtype = py::reinterpret_borrow<py::object>(d);
@@ -137,17 +129,17 @@ at::Tensor lookup_segment_owner(py::handle root, py::handle nearest) {
     const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
     if (view_of(tensor) != nullptr) return tensor;
   }
-  if (!root) return born_tensor(PyArray_DATA(as_array(nearest)));
+  if (!root) return born_tensor(PyArray_DATA(as_ndarray(nearest)));
   return at::Tensor();
 }
 
 std::pair<py::handle, py::handle> base_chain(py::handle array) {
   py::handle nearest = array;
-  py::handle root(reinterpret_cast<PyObject*>(PyArray_BASE(as_array(array))));
+  py::handle root(reinterpret_cast<PyObject*>(PyArray_BASE(as_ndarray(array))));
   while (root && PyArray_Check(root.ptr())) {
     nearest = root;
     root =
-        py::handle(reinterpret_cast<PyObject*>(PyArray_BASE(as_array(root))));
+        py::handle(reinterpret_cast<PyObject*>(PyArray_BASE(as_ndarray(root))));
   }
   return {root, nearest};
 }
@@ -176,7 +168,7 @@ Placement Plan::place(py::handle array, bool copy) {
         // Relative to the storage, not to `owner`, which may start at an
         // offset into it (a slice of a received array's base).
         const int64_t offset =
-            address(array) -
+            data_address(array) -
             reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
         count(kArraysResent);
         py::object ref_owner =
@@ -189,7 +181,7 @@ Placement Plan::place(py::handle array, bool copy) {
     } else if (root && THPVariable_Check(root.ptr())) {
       const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
       const int64_t offset =
-          address(array) -
+          data_address(array) -
           reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
       return Placement{
           py::reinterpret_borrow<py::object>(root), py::none(), offset, {}};
@@ -200,7 +192,7 @@ Placement Plan::place(py::handle array, bool copy) {
 
 Placement Plan::copy_view(py::handle array, py::handle root,
                           py::handle nearest) {
-  PyArrayObject* a = as_array(array);
+  PyArrayObject* a = as_ndarray(array);
   auto [lo, hi] = byte_extent(array);
   const int64_t nbytes = PyArray_NBYTES(a);
   if (hi - lo > policy.sparse_ratio * nbytes) return copy_compacted(array);
@@ -213,7 +205,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
                 .first;
   }
   Root& entry = found->second;
-  int64_t start = address(array);
+  int64_t start = data_address(array);
   for (const Copy& c : entry.copies) {
     if (c.lo <= start + lo && start + hi <= c.hi) {
       count(kArraysResent);
@@ -224,7 +216,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   // views of it in this message share the copy; else only this view's span.
   py::handle source = array;
   const auto [near_lo, near_hi] = byte_extent(nearest);
-  const int64_t near_start = address(nearest);
+  const int64_t near_start = data_address(nearest);
   if (near_start + near_lo <= start + lo &&
       start + hi <= near_start + near_hi &&
       2 * (hi - lo) >= near_hi - near_lo) {
@@ -244,12 +236,12 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   count(kArraysShared);
   count(kBytesCopied, n);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
-  const int64_t offset = at + address(array) - (start + lo);
+  const int64_t offset = at + data_address(array) - (start + lo);
   return Placement{target.owner, target.name, offset, {}};
 }
 
 Placement Plan::copy_compacted(py::handle array) {
-  PyArrayObject* a = as_array(array);
+  PyArrayObject* a = as_ndarray(array);
   std::vector<npy_intp> strides = compact_strides(a);
   const int64_t nbytes = PyArray_NBYTES(a);
   auto [target, at] = reserve(nbytes);
@@ -275,7 +267,7 @@ Placement Plan::copy_compacted(py::handle array) {
       &PyArray_Type, dst_descr, PyArray_NDIM(a), PyArray_DIMS(a),
       strides.data(), target.data + at, NPY_ARRAY_WRITEABLE, nullptr));
   if (!dest) throw py::error_already_set();
-  if (PyArray_CopyInto(as_array(dest), as_array(source)) != 0)
+  if (PyArray_CopyInto(as_ndarray(dest), as_ndarray(source)) != 0)
     throw py::error_already_set();
   count(kArraysShared);
   count(kBytesCopied, nbytes);
