@@ -146,6 +146,20 @@ def test_one_handle_eight_loaders(tmp_path, exporter_exits):
     assert wait_gone(sessions) == []
 
 
+def test_a_released_handle_whose_cell_is_gone_says_released():
+    # The exporter drops its cells with its last handle, and its pool may
+    # free them at any time after (trim() does it now): the load must still
+    # say "released", not "cannot be reached from this process".
+    array = np.arange(100_000)
+    handle = torchshm.dumps(array)
+    assert torchshm.release(handle)
+    torchshm.trim()
+    with pytest.raises(torchshm.HandleError) as info:
+        torchshm.loads(handle)
+    assert info.value.errno == errno.ESTALE, info.value
+    assert "released" in str(info.value)
+
+
 def test_dumps_loads_in_process_and_release():
     obj = {"a": np.arange(100_000), "b": [np.ones(500), "text"], "c": 3}
     handle = torchshm.dumps(obj)

@@ -310,6 +310,10 @@ def _load(header, payload):
     try:
         cell = _segments.attach(cell_name, 0, cell_generation)
     except OSError as exc:
+        # A live exporter drops its cells when its last handle goes, and its
+        # pool may free them any time after: gone then means released.
+        if exc.errno == errno.ENOENT and _C.holder_alive(exporter["process_id"]):
+            raise _released(who) from None
         if exc.errno == errno.ENOENT:
             raise HandleError(
                 errno.ENOENT,
