@@ -57,6 +57,11 @@ def run(args, **kwargs):
     return proc.stdout
 
 
+# Per step of the background build, against hangs only: it runs beside the
+# whole suite, and the test's own wait bounds it too.
+BUILD_TIMEOUT = 1800
+
+
 def build(work):
     """Copies the checkout, makes its sdist and installs it into a fresh venv,
     all under `work`; returns what the test checks (or raises)."""
@@ -77,7 +82,7 @@ def build(work):
         cmd = ["-m", "build", "--sdist", "--no-isolation", "-x", "--outdir", str(dist)]
     else:  # python3-build missing: setuptools' own command
         cmd = ["setup.py", "-q", "sdist", "--dist-dir", str(dist)]
-    run([sys.executable, *cmd], cwd=src, env=env, timeout=300)
+    run([sys.executable, *cmd], cwd=src, env=env, timeout=BUILD_TIMEOUT)
     (sdist,) = dist.glob("torchshm-*.tar.gz")
     with tarfile.open(sdist) as tar:
         top = f"torchshm-{torchshm.__version__}/"
@@ -102,7 +107,7 @@ def build(work):
         ],
         cwd=work,
         env=env,
-        timeout=600,
+        timeout=BUILD_TIMEOUT,
     )
     return {
         "sdist": sdist.name,
@@ -121,7 +126,8 @@ def build_env():
 class BackgroundBuild:
     """`build` in a process of its own, started before the other tests run:
     they spend much of their time waiting on children, so the compile mostly
-    fills idle CPU (niced, so that it slows them little)."""
+    fills idle CPU. Not niced: on a loaded machine a niced compile starved
+    past its time limit (pip install > 600 s beside three other suites)."""
 
     def __init__(self):
         self.work = Path(tempfile.mkdtemp(prefix="torchshm-sdist-"))
@@ -129,7 +135,7 @@ class BackgroundBuild:
         self.log = self.work / "build.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                ["nice", "-n", "10", sys.executable, __file__, str(self.work)],
+                [sys.executable, __file__, str(self.work)],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
