@@ -9,7 +9,7 @@ whatever is current by then.
 """
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from torch.utils.data import IterDataPipe
 
@@ -66,11 +66,6 @@ class AllocatingIterDataPipe(IterDataPipe):
 
     def __len__(self):
         return len(self.source_datapipe)
-
-
-def allocating_datapipe(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
-    """`datapipe` iterated with the allocator on in whichever thread iterates."""
-    return AllocatingIterDataPipe(datapipe, min_bytes)
 
 
 def allocator_enabled() -> bool:

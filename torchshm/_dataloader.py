@@ -81,7 +81,7 @@ class RegisterThenCall:
         # A torchdata hook returns the datapipe, which a worker may iterate
         # in another thread (its prefetcher): turn it on there too.
         if isinstance(result, IterDataPipe):
-            result = _allocator.allocating_datapipe(result)
+            result = _allocator.AllocatingIterDataPipe(result)
         return result
 
     def __repr__(self):

@@ -41,7 +41,7 @@ def allocating(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
     """An IterDataPipe whose items are made with the allocator on in the
     thread that iterates it (a worker's prefetch thread included): arrays the
     pipeline makes there are born shared and sent without a copy."""
-    return _allocator.allocating_datapipe(datapipe, min_bytes)
+    return _allocator.AllocatingIterDataPipe(datapipe, min_bytes)
 
 
 def worker_init_fn(datapipe: T, worker_info: Any = None) -> T:
