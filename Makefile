@@ -11,7 +11,7 @@ DEBS := python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11 \
 	python3-pandas python3-xarray python3-pytest python3-pytest-timeout \
 	python3-hypothesis python3-psutil python3-tqdm python3-matplotlib \
 	python3-nbclient python3-nbformat python3-ipykernel python3-portalocker \
-	python3-build
+	python3-build python3-pytest-xdist
 LINT_DEBS := black flake8 clang-format
 # The Debian 13 lane's host side; its own packages are listed in the script.
 MODERN_DEBS := debootstrap util-linux
@@ -43,8 +43,12 @@ $(BUILT): $(SOURCES) | $(PY)
 
 build: deps $(BUILT)
 
+# Two pytest-xdist workers, each its own torchshm session: most tests wait on
+# the children they start, so a single worker keeps only ~1.3 of 2 cores busy.
+TEST_WORKERS ?= 2
+
 test: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-modern:
 	$(call apt_install,$(MODERN_DEBS))

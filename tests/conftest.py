@@ -16,6 +16,11 @@ from multiprocessing.reduction import ForkingPickler
 # Every array of at least one byte is shared, so small test arrays exercise the
 # shared path; set before torchshm is imported so that children inherit it.
 os.environ.setdefault("TORCHSHM_THRESHOLD", "1")
+# Under pytest-xdist (`make test` runs two workers) each worker is a session
+# of its own, as a separately launched program is: the leak check counts
+# this session's segments, which the other worker's tests must not move.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("TORCHSHM_SESSION", None)
 
 import pytest  # noqa: E402
 
@@ -53,7 +58,7 @@ MULTIPROCESS_MODULES = {
 MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 
 
-def pytest_configure(config):
+def add_markers(config):
     config.addinivalue_line(
         "markers",
         "multiprocess: the test starts processes; the no_leaks check applies",
@@ -70,20 +75,44 @@ SDIST_TEST = (
 )
 
 
+def _sdist_module():
+    from tests import test_sdist
+
+    return test_sdist
+
+
+def pytest_configure(config):
+    add_markers(config)
+    if getattr(config.option, "numprocesses", None) and not hasattr(
+        config, "workerinput"
+    ):
+        # The xdist controller: the workers it starts find the build here.
+        _sdist_module().prepare_shared_build()
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(session, config, items):
     """The sdist test compiles the extension: its build starts now, in the
-    background, and the test runs last, when the build is likely done."""
+    background, and the test runs last, when the build is likely done. Under
+    xdist the controller starts it, once, when a worker has collected it."""
     sdist = [item for item in items if item.nodeid.endswith(SDIST_TEST)]
     if sdist and not config.option.collectonly:
         items[:] = [item for item in items if item not in sdist] + sdist
-        sdist[0].module.start_build()
+        if not hasattr(config, "workerinput"):
+            sdist[0].module.start_build()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    if any(nodeid.endswith(SDIST_TEST) for nodeid in ids):
+        _sdist_module().start_build()
 
 
 def pytest_sessionfinish(session):
-    module = sys.modules.get("test_sdist")
-    if module is not None:
-        module.discard_build()
+    if not hasattr(session.config, "workerinput"):
+        for name in ("test_sdist", "tests.test_sdist"):  # as collected, or not
+            if name in sys.modules:
+                sys.modules[name].discard_build()
 
 
 @pytest.fixture(scope="session", autouse=True)

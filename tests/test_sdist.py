@@ -4,8 +4,8 @@ system torch; the result imports and works from outside the source tree.
 
 It compiles the extension (about two minutes on two cores), so the build runs
 in the background from the start of the session (`start_build`, called by
-conftest when this test is selected; it is moved to the end) and the test
-checks what it made."""
+conftest when this test is selected; it is moved to the end; under xdist the
+controller starts it for its workers) and the test checks what it made."""
 
 import importlib.util
 import json
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,9 @@ class BackgroundBuild:
     fills idle CPU. Not niced: on a loaded machine a niced compile starved
     past its time limit (pip install > 600 s beside three other suites)."""
 
-    def __init__(self):
-        self.work = Path(tempfile.mkdtemp(prefix="torchshm-sdist-"))
-        self.result = self.work / "result.json"
-        self.log = self.work / "build.log"
-        with open(self.log, "wb") as log:
+    def __init__(self, work=None):
+        self.work = Path(work or tempfile.mkdtemp(prefix="torchshm-sdist-"))
+        with open(self.work / "build.log", "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, str(self.work)],
                 cwd=REPO,
@@ -143,9 +142,7 @@ class BackgroundBuild:
             )
 
     def wait(self, timeout):
-        rc = self.proc.wait(timeout)
-        assert rc == 0, self.log.read_text()[-8000:]
-        return json.loads(self.result.read_text())
+        return wait_for(self.work, timeout)
 
     def discard(self):
         if self.proc.poll() is None:
@@ -154,14 +151,53 @@ class BackgroundBuild:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+class SharedBuild:
+    """An xdist worker's view of the build its controller started."""
+
+    def __init__(self, work):
+        self.work = Path(work)
+
+    def wait(self, timeout):
+        return wait_for(self.work, timeout)
+
+    def discard(self):
+        pass  # the controller's
+
+
+def wait_for(work, timeout):
+    """What the build in `work` made (or its log, as the failure), by
+    whichever process it runs in."""
+    deadline = time.monotonic() + timeout
+    while not (work / "result.json").exists():
+        if (work / "failed").exists() or time.monotonic() > deadline:
+            log = (work / "build.log").read_text()[-8000:]
+            raise AssertionError(
+                f"the sdist build failed or took > {timeout} s:\n{log}"
+            )
+        time.sleep(0.5)
+    return json.loads((work / "result.json").read_text())
+
+
+# Under xdist: the build directory the controller's workers share.
+SHARED_BUILD = "TORCHSHM_SDIST_BUILD"
 _build = None
 
 
+def prepare_shared_build():
+    """In the xdist controller, before its workers start (they inherit it)."""
+    os.environ[SHARED_BUILD] = tempfile.mkdtemp(prefix="torchshm-sdist-")
+
+
 def start_build():
-    """Starts the background build (once); conftest calls it at collection."""
+    """Starts the background build (once per session); conftest calls it at
+    collection, or the xdist controller once a worker has collected the test."""
     global _build
     if _build is None:
-        _build = BackgroundBuild()
+        shared = os.environ.get(SHARED_BUILD)
+        if shared and os.environ.get("PYTEST_XDIST_WORKER"):
+            _build = SharedBuild(shared)
+        else:
+            _build = BackgroundBuild(shared)
     return _build
 
 
@@ -208,4 +244,11 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
 
 if __name__ == "__main__":  # the background build: python test_sdist.py WORK
     work = Path(sys.argv[1])
-    (work / "result.json").write_text(json.dumps(build(work)))
+    try:
+        result = build(work)
+    except BaseException:
+        (work / "failed").touch()  # a waiter in another process reads the log
+        raise
+    # Renamed into place: waiters poll for it.
+    (work / "result.tmp").write_text(json.dumps(result))
+    (work / "result.tmp").rename(work / "result.json")
