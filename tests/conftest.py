@@ -18,9 +18,12 @@ from multiprocessing.reduction import ForkingPickler
 os.environ.setdefault("TORCHSHM_THRESHOLD", "1")
 # Under pytest-xdist (`make test` runs two workers) each worker is a session
 # of its own, as a separately launched program is: the leak check counts
-# this session's segments, which the other worker's tests must not move.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+# this session's segments, which the other worker's tests must not move. Only
+# the worker itself leaves the inherited session: its children that import
+# this module (tests/children.py) must stay in the worker's.
+if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHSHM_TEST_WORKER" not in os.environ:
     os.environ.pop("TORCHSHM_SESSION", None)
+    os.environ["TORCHSHM_TEST_WORKER"] = str(os.getpid())
 
 import pytest  # noqa: E402
 
