@@ -98,23 +98,11 @@ def pytest_collection_modifyitems(session, config, items):
     """The sdist test compiles the extension: its build starts now, in the
     background, and the test runs last, when the build is likely done. Under
     xdist the controller starts it, once, when a worker has collected it."""
-    if hasattr(config, "workerinput"):
-        # Longest first (a test's own time limit says which): two workers
-        # share them from the start, and the short tests fill in behind,
-        # instead of one worker running a 60 s test while the other idles.
-        items.sort(key=lambda item: -time_limit(item, config))
     sdist = [item for item in items if item.nodeid.endswith(SDIST_TEST)]
     if sdist and not config.option.collectonly:
         items[:] = [item for item in items if item not in sdist] + sdist
         if not hasattr(config, "workerinput"):
             sdist[0].module.start_build()
-
-
-def time_limit(item, config):
-    marker = item.get_closest_marker("timeout")
-    if marker is not None and marker.args:
-        return float(marker.args[0])
-    return float(config.getini("timeout") or 0)
 
 
 @pytest.hookimpl(optionalhook=True)
