@@ -204,6 +204,10 @@ def start_build():
 def discard_build():
     if _build is not None:
         _build.discard()
+    shared = os.environ.get(SHARED_BUILD)
+    if shared and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # The controller's directory, even if no worker collected the test.
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.mark.timeout(900)
