@@ -156,13 +156,17 @@ def rank_main(mode, nbytes, status_dir):
     expected = n * (n - 1) // 2
     assert int(t.sum(dtype=np.int64)) == expected
     workers = 2
-    loader = DataLoader(
-        TableDataset(t, workers, status_dir),
-        batch_size=None,
-        num_workers=workers,
-        multiprocessing_context="spawn",
-        worker_init_fn=torchshm.worker_init_fn,
-    )
+
+    def epoch(table):  # a fresh set of spawned workers over the table
+        return DataLoader(
+            TableDataset(table, workers, status_dir),
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context="spawn",
+            worker_init_fn=torchshm.worker_init_fn,
+        )
+
+    loader = epoch(t)
     sums, pids = [], set()
     it = iter(loader)
     for _ in range(workers):
@@ -185,13 +189,7 @@ def rank_main(mode, nbytes, status_dir):
     if mode == "share_on_node":
         # A fresh epoch of workers (after a rank may have been killed): still
         # the whole table, whoever is gone. (The control only measures.)
-        again = DataLoader(
-            TableDataset(t, workers, status_dir),
-            batch_size=None,
-            num_workers=workers,
-            multiprocessing_context="spawn",
-            worker_init_fn=torchshm.worker_init_fn,
-        )
+        again = epoch(t)
         sums = [total for total, _ in again if total is not None]
         assert sums == [expected] * workers, sums
         del again
