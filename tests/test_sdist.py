@@ -124,14 +124,28 @@ def build_env():
     return env
 
 
-class BackgroundBuild:
+class SharedBuild:
+    """A build in `work`, started elsewhere (an xdist worker's view of the
+    build its controller started)."""
+
+    def __init__(self, work):
+        self.work = Path(work)
+
+    def wait(self, timeout):
+        return wait_for(self.work, timeout)
+
+    def discard(self):
+        pass  # its starter's
+
+
+class BackgroundBuild(SharedBuild):
     """`build` in a process of its own, started before the other tests run:
     they spend much of their time waiting on children, so the compile mostly
     fills idle CPU. Not niced: on a loaded machine a niced compile starved
     past its time limit (pip install > 600 s beside three other suites)."""
 
     def __init__(self, work=None):
-        self.work = Path(work or tempfile.mkdtemp(prefix="torchshm-sdist-"))
+        super().__init__(work or tempfile.mkdtemp(prefix="torchshm-sdist-"))
         with open(self.work / "build.log", "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, str(self.work)],
@@ -141,27 +155,11 @@ class BackgroundBuild:
                 stderr=subprocess.STDOUT,
             )
 
-    def wait(self, timeout):
-        return wait_for(self.work, timeout)
-
     def discard(self):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.work, ignore_errors=True)
-
-
-class SharedBuild:
-    """An xdist worker's view of the build its controller started."""
-
-    def __init__(self, work):
-        self.work = Path(work)
-
-    def wait(self, timeout):
-        return wait_for(self.work, timeout)
-
-    def discard(self):
-        pass  # the controller's
 
 
 def wait_for(work, timeout):
