@@ -226,8 +226,8 @@ class Sender:
     so consecutive items never compete for the two cores.
     """
 
-    def __init__(self, method, context="spawn"):
-        ctx = mp.get_context(context)
+    def __init__(self, method, context=None):
+        ctx = mp.get_context(context or SENDER_CONTEXT)
         self.method = method
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
@@ -305,12 +305,22 @@ def _serve(conn, method):
             conn.send(exc)
 
 
+# Senders fork from a forkserver that imported torch once. Their start is
+# not measured, but a spawned sender pays torch's import again: 5-6 senders
+# per run took 9-11 s against 5-6 s (`python -m benchmarks --quick` start).
+# Nothing of torchshm is preloaded: each sender imports and sets it up itself.
+SENDER_CONTEXT = "forkserver"
+SENDER_PRELOAD = ["numpy", "torch", "torch.utils.data"]
+
 _senders = {}
 
 
 def sender(method):
     """The persistent Sender for `method`, started on first use and shared by
-    all scenarios of a run (a spawn with torch's imports costs seconds)."""
+    all scenarios of a run."""
+    if not _senders:
+        # Takes effect only if this process has not started its forkserver.
+        mp.set_forkserver_preload(SENDER_PRELOAD)
     if method not in _senders or not _senders[method].process.is_alive():
         _senders[method] = Sender(method)
     return _senders[method]
