@@ -43,10 +43,9 @@ $(BUILT): $(SOURCES) | $(PY)
 
 build: deps $(BUILT)
 
-# pytest-xdist workers, each its own torchshm session: most tests wait on the
-# children they start, so one worker keeps only ~1.3 of 2 cores busy, and two
-# left ~10% of them idle (1,510 CPU-s in 856 s, ~120 s of it the build).
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers, each its own torchshm session: most tests wait on
+# the children they start, so a single worker keeps only ~1.3 of 2 cores busy.
+TEST_WORKERS ?= 2
 
 test: build
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
