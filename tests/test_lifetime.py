@@ -566,7 +566,9 @@ def test_with_pool_never_hangs(method):
     """torchshm installs no signal handler: Pool.terminate() ends workers as
     promptly as without it (the stress script runs 500 rounds)."""
     ctx = mp.get_context(method)
-    rounds = 40 if method == "fork" else 4
+    # Many cheap rounds under fork; a spawn round starts 3 interpreters that
+    # import torch (~9 s of CPU), so it gets 2 (the stress script runs 500).
+    rounds = {"fork": 40, "forkserver": 4, "spawn": 2}[method]
     for _ in range(rounds):
         with ctx.Pool(3) as pool:
             result = pool.map_async(lifetime_children.pool_square, range(3))

@@ -467,7 +467,9 @@ def test_huge_items_past_2_gib(child):
         gc.collect()
         assert huge._offsets[-1] > 2**31 and len(huge) == 3
         assert torchshm.is_shared(huge._buf)
-        for i in (0, 2, -1):
+        # The first item and, by a negative index, the last (past 2**31);
+        # each read unpickles a fresh 750 MiB copy (3-4 s here).
+        for i in (0, -1):
             item = huge[i]
             assert len(item) == HUGE_ITEM and item[:1] == item[-1:] == bytes(
                 [i % 3 + 1]
