@@ -101,11 +101,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(tmp_path, script, *args):
+def run_script(tmp_path, script, *args, warnings="error::DeprecationWarning"):
     path = tmp_path / "script.py"
     path.write_text(script)
     run = subprocess.run(
-        [sys.executable, "-W", "error::DeprecationWarning", str(path), *args],
+        [sys.executable, "-W", warnings, str(path), *args],
         capture_output=True,
         text=True,
         timeout=4 * TIMEOUT,
@@ -146,3 +146,51 @@ BOUND = textwrap.dedent(
 
 def test_a_wait_that_reaches_its_bound_is_counted(tmp_path):
     assert run_script(tmp_path, BOUND) == [True, True, 1, True]
+
+
+RACE = textwrap.dedent(
+    """
+    import json, os, pickle, sys, threading, time
+    import numpy as np
+    from multiprocessing.reduction import ForkingPickler
+    import torchshm
+
+    # A Pool's worker handler forks new workers from one thread while its
+    # result handler receives arrays in another, (re)starting the expiry
+    # timer: the fork hooks must stop it without losing the lock pairing.
+    failures = []
+    sys.unraisablehook = lambda u: failures.append(
+        f"{u.exc_type.__name__}: {u.exc_value} ({getattr(u.object, '__name__', '')})")
+    stop = threading.Event()
+
+    def receive_arrays():
+        while not stop.is_set():
+            got = pickle.loads(ForkingPickler.dumps(np.full(50_000, 1.0)))
+            assert (got == 1.0).all()
+            del got
+
+    thread = threading.Thread(target=receive_arrays)
+    thread.start()
+    forks, statuses, end = 0, set(), time.monotonic() + float(sys.argv[1])
+    while forks < 200 and time.monotonic() < end and not failures:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        statuses.add(os.waitpid(pid, 0)[1])
+        forks += 1
+    stop.set()
+    thread.join()
+    print(json.dumps({"forks": forks, "statuses": sorted(statuses),
+                      "failures": failures[:4]}))
+    """
+)
+
+
+def test_a_fork_while_another_thread_restarts_the_timer(tmp_path):
+    # Before the fix: "cannot join thread before it is started" in the
+    # before-fork hook within a few forks; the child then held no slot for
+    # its views, and the after-fork hook released a lock it never took.
+    # The script forks with its own thread alive: Python 3.12+ warns.
+    result = run_script(tmp_path, RACE, "8", warnings="ignore::DeprecationWarning")
+    assert result["failures"] == [], result
+    assert result["forks"] > 0 and result["statuses"] == [0], result

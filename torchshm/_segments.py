@@ -367,10 +367,13 @@ class _Expiry:
             return
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=self._run, name="torchshm-expiry", daemon=True
             )
-            self._thread.start()
+            thread.start()
+            # Published only once started: halt() runs without _lock (at
+            # fork, in another thread) and cannot join an unstarted thread.
+            self._thread = thread
         # The plan may take pooled segments without allocate's bookkeeping
         # (resume() above) only while this timer runs.
         _pool_segments.enable_fast_take(True)
@@ -387,6 +390,9 @@ class _Expiry:
                 pass  # full: the thread wakes anyway
             thread.join()
             self._thread = None
+
+    def running(self):
+        return self._thread is not None
 
     def needed(self):
         return bool(len(_pool_segments) or _idle_mappings)
@@ -448,14 +454,28 @@ _expiry = _Expiry()
 _for_child = []
 
 
+def _lock_with_timer_halted():
+    """Takes _lock with the expiry thread joined. The thread takes _lock
+    itself, so it is joined before the lock is taken; another thread may
+    start it again in between (ensure() runs under _lock): then again.
+    _lock is taken even if halt() raises: _after_fork_in_parent releases it."""
+    while True:
+        try:
+            _expiry.halt()
+        finally:
+            _lock.acquire()
+        if not _expiry.running():
+            return
+        _lock.release()
+
+
 def _before_fork():
     # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
     # thread holding a lock would leave it held in the child): joined, and
     # gone from /proc/self/task (Note [Threads at fork] in csrc/parallel.h).
-    _expiry.halt()
-    _C.wait_threads_gone()
-    _lock.acquire()
+    _lock_with_timer_halted()
     try:
+        _C.wait_threads_gone()
         live = [o for o in (ref() for ref in _live.values()) if o is not None]
         if not live:
             return
