@@ -154,7 +154,14 @@ def _loader_in_small_shm(method, samples=32, env=None):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# One loader run starts 5 interpreters (4 spawn workers): 14-20 s on a quiet
+# machine, past the suite's 120 s default with three suites beside it. A hang
+# fails sooner, inside it: the DataLoader's timeout is 60 s per batch.
+LOADER_TEST_TIMEOUT = 8 * TIMEOUT
+
+
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+@pytest.mark.timeout(LOADER_TEST_TIMEOUT)
 @pytest.mark.parametrize("method", ["torchshm_collate", "torchshm"])
 def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
     result = _loader_in_small_shm(method)
@@ -164,6 +171,7 @@ def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+@pytest.mark.timeout(2 * LOADER_TEST_TIMEOUT)  # two loader runs
 def test_torchshm_leaves_torch_its_room_in_a_64_mib_dev_shm():
     # Samples carry an array and a torch tensor: torch shares the tensors
     # through /dev/shm; torchshm must not make that fail.
