@@ -3,6 +3,7 @@
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -141,17 +142,28 @@ def _loader_in_small_shm(method, samples=32, env=None):
     env = dict(env or os.environ, PYTHONPATH=isolated.ROOT)
     env.pop("TORCHSHM_SESSION", None)
     env["TORCHSHM_THRESHOLD"] = "256K"  # the default, not the suite's
-    run = subprocess.run(
+    proc = subprocess.Popen(
         [*SMALL_SHM, sys.executable, "-m", "benchmarks.docker_loader", method]
         + [str(samples), "1"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=10 * TIMEOUT,
         cwd=isolated.ROOT,
         env=env,
+        start_new_session=True,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    try:
+        stdout, stderr = proc.communicate(timeout=10 * TIMEOUT)
+    finally:
+        # On a time limit (this one or the test's), killing the loader alone
+        # left its 4 spawn workers and their keeper running for good.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 # One loader run starts 5 interpreters (4 spawn workers): 14-20 s on a quiet
