@@ -7,9 +7,10 @@
 2. torchshm's overhead below the threshold: `ForkingPickler` round trips of
    one array with and without torchshm registered (the per-item scenario
    measures the same through processes, where noise hides microseconds).
-3. The sender path of a fresh array at the threshold (256 KiB): calls into
-   `_C` per array (every module function and class method counted), and
-   the time the reducer, and the whole dumps, take above the copy itself.
+3. The sender path of a fresh array at the threshold (256 KiB): the time the
+   reducer, and the whole dumps, take above the copy itself; and
+   (`crossings`) the calls between Python and C++ per array, both ways, for
+   each kind of memory the sender's plan tells apart.
 4. Below the threshold through a Queue to another process: 20,000 x 1 KiB,
    one per message, and 1000 x 4 KiB in one message, against plain pickling
    in the same run (rounds alternate).
@@ -21,6 +22,7 @@
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 import timeit
 from multiprocessing.reduction import ForkingPickler
@@ -37,10 +39,11 @@ def copy_speed(sizes=(256 * MIB, 400_000_000, 512 * MIB), threads=(1, 2, 4)):
     for nbytes in sizes:
         source = np.ones(nbytes, np.uint8)
         target = _segments.allocate(nbytes)
-        _C.copy_extent(source, target, 0, 2)  # map and fault the pages in once
+        _C.testing.copy_extent(source, target, 0, 2)  # map and fault the pages in once
         for n in threads:
             best = min(
-                _timed(lambda: _C.copy_extent(source, target, 0, n)) for _ in range(4)
+                _timed(lambda: _C.testing.copy_extent(source, target, 0, n))
+                for _ in range(4)
             )
             print(
                 f"copy {nbytes / MIB:6.0f} MiB, {n} thread(s): {best * 1e3:6.1f} ms"
@@ -66,10 +69,11 @@ def inline_overhead(sizes_kib=(4, 32, 64, 128), number=5000):
 
 
 class _Crossings:
-    """Counts calls from Python into the native module while active: module
-    functions and classes through every torchshm module's `_C` name, and the
-    methods and properties of its classes. Calls from native code (pickle's
-    C implementation calling a native reducer) are not crossings."""
+    """Counts calls from Python into the native module while active, in the
+    thread that entered: module functions and classes through every torchshm
+    module's `_C` name, and the methods and properties of its classes. Calls
+    from native code (pickle's C implementation calling a native reducer) are
+    not crossings."""
 
     def __init__(self):
         self.count = 0
@@ -77,10 +81,13 @@ class _Crossings:
 
     def __enter__(self):
         counter = self
+        # Only this thread's: the expiry timer calls _C in its own.
+        thread = threading.get_ident()
 
         def counted(fn):
             def call(*args, **kwargs):
-                counter.count += 1
+                if threading.get_ident() == thread:
+                    counter.count += 1
                 return fn(*args, **kwargs)
 
             return call
@@ -134,13 +141,15 @@ def sender_path(nbytes=256 << 10, number=2000):
         ForkingPickler.loads(ForkingPickler.dumps(a))
 
     target = _segments.allocate(nbytes)
-    _C.copy_extent(arrays[0], target, 0, threads)
+    _C.testing.copy_extent(arrays[0], target, 0, threads)
     a = arrays[0]
     # Alternating repeats, so that drift on a shared machine hits both alike.
     copies, reduces = [], []
     for _ in range(11):
         copies.append(
-            timeit.timeit(lambda: _C.copy_extent(a, target, 0, threads), number=number)
+            timeit.timeit(
+                lambda: _C.testing.copy_extent(a, target, 0, threads), number=number
+            )
         )
         reduces.append(timeit.timeit(lambda: reducer(a), number=number))
     copy, reduce_time = min(copies), min(reduces)
@@ -191,7 +200,7 @@ def sender_path(nbytes=256 << 10, number=2000):
 
     def copies():
         for i, x in enumerate(arrays):
-            _C.copy_extent(x, region, i * step, threads)
+            _C.testing.copy_extent(x, region, i * step, threads)
 
     def one_message():
         results = [reducer(x) for x in arrays]
@@ -208,28 +217,75 @@ def sender_path(nbytes=256 << 10, number=2000):
         f" {(message_time - copies_time) * 1e6:.2f} us)"
     )
 
-    counts = {"reducer": 0, "dumps": 0}
-    for a in arrays:
-        with _Crossings() as c:
-            result = reducer(a)
-        counts["reducer"] += c.count
-        del result
-        with _Crossings() as c:
-            data = ForkingPickler.dumps(a)
-        counts["dumps"] += c.count
-        ForkingPickler.loads(data)
-    with _Crossings() as c:
-        data = ForkingPickler.dumps(arrays)
-    in_one = c.count
-    ForkingPickler.loads(data)
-    n = len(arrays)
+
+def crossings(nbytes=256 << 10, n=8):
+    """Calls between Python and C++ per array at or above the threshold, both
+    ways (Note [The seam] in torchshm/_native.py), for each kind of memory
+    the plan tells apart (Note [Sender plan]): ForkingPickler.dumps of a
+    one-array message, and the same message sent through a Pipe (the
+    transport's per-message calls, Note [One message, one snapshot])."""
+    import torch
+    from torch.multiprocessing import get_sharing_strategy, set_sharing_strategy
+
+    def fresh(i):
+        return np.full(nbytes, i, np.uint8)
+
+    def received(i):
+        return ForkingPickler.loads(ForkingPickler.dumps(fresh(i)))
+
+    def torch_owned(i):
+        return torch.full((nbytes,), i, dtype=torch.uint8).numpy()
+
+    def torch_shared(i):
+        return torch.full((nbytes,), i, dtype=torch.uint8).share_memory_().numpy()
+
+    kinds = [
+        ("fresh array (copied)", fresh, None),
+        ("received array (in a segment: by reference)", received, None),
+        ("over a torch tensor, file_descriptor (copied)", torch_owned, None),
+        (
+            "over a shared tensor, file_system (torch's reducer)",
+            torch_shared,
+            "file_system",
+        ),
+    ]
+    print(f"crossings per array, {nbytes >> 10} KiB, mean of {n} one-array messages:")
     print(
-        f"_C crossings, fresh {nbytes >> 10} KiB array:"
-        f" reducer {counts['reducer'] / n:.1f},"
-        f" one-array message (ticket, chunk allocation included)"
-        f" {counts['dumps'] / n:.1f}, per array in one message of {n}"
-        f" {in_one / n:.2f}"
+        f"  {'memory':52s} {'dumps Py->C++':>13s} {'C++->Py':>8s}"
+        f" {'Pipe.send Py->C++':>18s} {'C++->Py':>8s}"
     )
+    previous = get_sharing_strategy()
+    for label, make, strategy in kinds:
+        if strategy:
+            set_sharing_strategy(strategy)
+        try:
+            arrays = [make(i) for i in range(n)]
+            ForkingPickler.loads(ForkingPickler.dumps(make(n)))  # warm the pool
+            counts = [0, 0, 0, 0]
+            reader, writer = mp.Pipe(duplex=False)
+            for a in arrays:
+                _C.testing.reset_hook_calls()
+                with _Crossings() as c:
+                    data = ForkingPickler.dumps(a)
+                counts[0] += c.count
+                counts[1] += _C.testing.hook_calls()
+                if strategy is None:
+                    ForkingPickler.loads(data)
+                _C.testing.reset_hook_calls()
+                with _Crossings() as c:
+                    writer.send(a)
+                counts[2] += c.count
+                counts[3] += _C.testing.hook_calls()
+                del data
+                reader.recv()
+            reader.close()
+            writer.close()
+        finally:
+            set_sharing_strategy(previous)
+        print(
+            f"  {label:52s} {counts[0] / n:13.2f} {counts[1] / n:8.2f}"
+            f" {counts[2] / n:18.2f} {counts[3] / n:8.2f}"
+        )
 
 
 def _drain(queue, done):
@@ -313,6 +369,8 @@ if __name__ == "__main__":
         inline_overhead()
     if not only or "sender" in only:
         sender_path()
+    if not only or "crossings" in only or "sender" in only:
+        crossings()
     if not only or "below" in only:
         below_threshold()
     if not only or "containers" in only or "strings" in only:

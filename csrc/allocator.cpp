@@ -3,6 +3,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "config.h"
 #include "numpy_api.h"
 
 namespace torchshm {
@@ -24,7 +25,6 @@ struct Block {
 
 // Guarded by the GIL (Note [Born shared]).
 std::unordered_map<uintptr_t, Block> blocks;
-PyObject* source = nullptr;
 // Set while the source runs: whatever it allocates is not born.
 thread_local bool in_source = false;
 
@@ -50,10 +50,11 @@ class PythonGuard {
 // A born block of `size` bytes, or nullptr when the source declines. Call
 // with a PythonGuard held.
 void* take_block(size_t size, bool zeroed) {
-  if (source == nullptr || in_source) return nullptr;
+  if (!configured() || in_source) return nullptr;
+  PyObject* source = config().hooks.born_source;
+  py::int_ wanted(size);
   in_source = true;
-  PyObject* result =
-      PyObject_CallFunction(source, "n", static_cast<Py_ssize_t>(size));
+  PyObject* result = call_hook(source, wanted.ptr());
   in_source = false;
   if (result == nullptr) {
     // The source catches its own failures; reaching here is a bug, and
@@ -86,7 +87,7 @@ void* allocate(BornContext* ctx, size_t size, bool zeroed) {
       if (void* data = take_block(size, zeroed)) return data;
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
-      PyErr_WriteUnraisable(source);
+      PyErr_WriteUnraisable(config().hooks.born_source);
     }
   }
   PyDataMemAllocator& fallback = ctx->fallback->allocator;
@@ -168,11 +169,6 @@ void destroy_handler(PyObject* capsule) {
 }
 
 }  // namespace
-
-void set_born_source(py::object callable) {
-  Py_XDECREF(source);
-  source = callable.release().ptr();
-}
 
 py::object make_born_handler(int64_t min_bytes, py::object fallback) {
   TORCH_CHECK(min_bytes >= 1, "expected min_bytes >= 1, got ", min_bytes);

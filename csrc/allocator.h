@@ -4,13 +4,14 @@
 // Note [Born shared]
 // A born handler is a "mem_handler" capsule with a size floor and a fallback
 // handler (the one that was current when it was made). An allocation of at
-// least the floor asks the Python source (torchshm/_allocator.py, which asks
-// the pool) for an int8 segment tensor; the registry below maps the data
-// address to that tensor, and `free` drops it. So the segment's memory
-// outlives the array exactly as long as some receiver holds its slot (Note
-// [Segment lifetime]), and the pool reuses it only after that. Anything
-// smaller, anything the source declines (a full /dev/shm: it returns None)
-// and any allocation made while the source runs goes to the fallback.
+// least the floor asks the Python source (the born_source hook, config.h:
+// torchshm/_allocator.py, which asks the pool) for an int8 segment tensor; the
+// registry below maps the data address to that tensor, and `free` drops it. So
+// the segment's memory outlives the array exactly as long as some receiver
+// holds its slot (Note [Segment lifetime]), and the pool reuses it only after
+// that. Anything smaller, anything the source declines (a full /dev/shm: it
+// returns None) and any allocation made while the source runs goes to the
+// fallback.
 //
 // NumPy calls a handler with the GIL held; every entry point still takes it
 // (PyGILState_Ensure is cheap when held) because the registry and the Python
@@ -27,10 +28,6 @@
 #include <cstdint>
 
 namespace torchshm {
-
-// The Python callable that provides born memory: source(nbytes) returns
-// (int8 segment tensor of at least nbytes, reused: bool) or None to decline.
-void set_born_source(py::object source);
 
 // A handler capsule placing allocations of at least `min_bytes` in segments
 // and all others with `fallback`'s handler. A born fallback is unwrapped, so

@@ -38,7 +38,8 @@ template <typename... Parts>
 
 // Sets the Python error for a C++ exception as the bindings translate it:
 // ShmError as torchshm._C.SharedMemoryError(errno, message), a pending
-// Python error as itself, anything else as RuntimeError (module.cpp).
+// Python error as itself, c10's and pybind11's typed errors as their Python
+// types, anything else as RuntimeError (module.cpp).
 void set_python_error(std::exception_ptr error);
 
 }  // namespace torchshm

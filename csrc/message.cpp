@@ -4,30 +4,16 @@
 
 #include <utility>
 
+#include "config.h"
 #include "errors.h"
 #include "identity.h"
+#include "ndarray.h"
 #include "numpy_api.h"
 #include "segment.h"
 #include "stats.h"
 
 namespace torchshm {
 namespace {
-
-// Strong references, never released (as SenderHooks in plan.h).
-struct Wire {
-  PyObject* rebuild_ndarray = nullptr;
-  PyObject* attach_segment = nullptr;
-  PyObject* message_token = nullptr;
-  PyObject* reduce_name = nullptr;  // "__reduce__", interned
-};
-Wire wire;
-
-struct Channel {
-  PyObject* writers = nullptr;     // code object -> finder(frame)
-  PyObject* pipe_inode = nullptr;  // (finder, frame) -> inode or 0
-  int max_depth = 0;               // a pickler's reduce runs a few frames below
-};
-Channel channel;
 
 // Tickets of this thread's last message that are marked "being written"
 // (see the Note): the segment, so that its mapping outlives the write.
@@ -61,15 +47,127 @@ py::object weak_ref(const py::object& obj) {
   return py::reinterpret_steal<py::object>(weak);
 }
 
+// Whether one of multiprocessing's message writers (Hooks::writers) is on
+// this thread's stack: then Connection._send_bytes writes what is being
+// pickled, in this thread, once pickling is done (see the Note).
+bool writer_on_stack() {
+  const Hooks& hooks = config().hooks;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  for (int depth = 0; frame != nullptr && depth < hooks.max_depth; ++depth) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    bool found = false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hooks.writers) && !found; ++i)
+      found = PyTuple_GET_ITEM(hooks.writers, i) ==
+              reinterpret_cast<PyObject*>(code);
+    Py_DECREF(code);
+    if (found) {
+      Py_DECREF(frame);
+      return true;
+    }
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return false;
+}
+
+// --- the wire's native functions (named torchshm._reduction.<name>) -------
+
+PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
+                          Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_Format(PyExc_TypeError,
+                 "rebuild_ndarray expected 7 arguments (owner, offset, dtype, "
+                 "shape, strides, writeable, subtype), got %zd",
+                 nargs);
+    return nullptr;
+  }
+  try {
+    if (!THPVariable_Check(args[0]))
+      throw py::type_error("rebuild_ndarray expected a tensor as owner, got " +
+                           std::string(py::str(py::type::handle_of(args[0]))));
+    const int64_t offset = py::cast<int64_t>(py::handle(args[1]));
+    const auto shape = py::cast<std::vector<int64_t>>(py::handle(args[3]));
+    const auto strides = py::cast<std::vector<int64_t>>(py::handle(args[4]));
+    const int writeable = PyObject_IsTrue(args[5]);
+    if (writeable < 0) throw py::error_already_set();
+    py::object array =
+        wrap_ndarray(THPVariable_Unpack(args[0]), offset, py::handle(args[2]),
+                     shape, strides, writeable != 0);
+    count(kArraysReceived);
+    if (args[6] == Py_None) return array.release().ptr();
+    static PyObject* view_name = PyUnicode_InternFromString("view");
+    return PyObject_CallMethodOneArg(array.ptr(), view_name, args[6]);
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* rebuild_inline(PyObject* /*self*/, PyObject* const* args,
+                         Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "rebuild_inline expected (token, reconstruct, args tuple, "
+                    "state)");
+    return nullptr;
+  }
+  PyObject* array = PyObject_Call(args[1], args[2], nullptr);
+  if (array == nullptr) return nullptr;
+  static PyObject* setstate = PyUnicode_InternFromString("__setstate__");
+  PyObject* done = PyObject_CallMethodOneArg(array, setstate, args[3]);
+  if (done == nullptr) {
+    Py_DECREF(array);
+    return nullptr;
+  }
+  Py_DECREF(done);
+  return array;
+}
+
+PyObject* message_token(PyObject* /*self*/, PyObject* /*unused*/) {
+  Py_RETURN_NONE;
+}
+
+PyMethodDef wire_defs[] = {
+    {"rebuild_ndarray", reinterpret_cast<PyCFunction>(rebuild_ndarray),
+     METH_FASTCALL,
+     "Rebuilds an array over `owner`, the int8 tensor of its segment; "
+     "`dtype` is a dtype or its .str, `subtype` None for a plain ndarray."},
+    {"rebuild_inline", reinterpret_cast<PyCFunction>(rebuild_inline),
+     METH_FASTCALL,
+     "Rebuilds an array pickled by value (numpy's own reduce, after the "
+     "token of its message)."},
+    {"message_token", message_token, METH_NOARGS,
+     "Unpickles a message's token: it carries nothing."},
+};
+
+PyObject* wire(int index) {
+  static PyObject* functions[3] = {};
+  if (functions[index] == nullptr) {
+    py::str module("torchshm._reduction");
+    functions[index] = PyCFunction_NewEx(&wire_defs[index], nullptr,
+                                         module.ptr());  // never released
+    if (functions[index] == nullptr) throw py::error_already_set();
+  }
+  return functions[index];
+}
+
 }  // namespace
 
-py::object Message::share(py::handle self, py::handle array, bool copy) {
-  Placement placed = plan.place(array, copy);
-  if (placed.name.is_none()) return py::none();
-  py::object segment_ref =
-      ref(self, std::move(placed.owner), std::move(placed.name));
+py::object wire_function(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == wire_defs[i].ml_name)
+      return py::reinterpret_borrow<py::object>(wire(i));
+  throw py::value_error("no wire function " + name);
+}
+
+py::object Message::reduce_shared(py::handle self, py::handle array,
+                                  const Placement& placed) {
+  py::object segment_ref = ref(self, placed.owner, placed.name);
   return py::make_tuple(
-      py::handle(wire.rebuild_ndarray),
+      py::handle(wire(0)),
       view_args(array, placed.offset, placed.strides, segment_ref));
 }
 
@@ -88,47 +186,28 @@ py::object Message::ref(py::handle self, py::object owner, py::object name) {
   return made;
 }
 
-py::object Message::token(py::handle self) {
-  if (token_) {
-    py::object token = deref(token_);
-    if (!token.is_none()) return token;
-  }
-  TORCH_CHECK(wire.message_token != nullptr, "the wire is not configured");
-  py::object token = py::reinterpret_borrow<py::object>(wire.message_token)(
-      py::reinterpret_borrow<py::object>(self));
-  token_ = weak_ref(token);
-  return token;
-}
-
 py::tuple SegmentRef::reduce() const {
   View* view = view_of(THPVariable_Unpack(owner.ptr()));
   TORCH_CHECK(view != nullptr, "a segment reference without its segment");
-  // Raising here would lose the message, so neither lookup may: an unknown
-  // pipe only keeps the ticket alive longer (until the session ends), and no
-  // ticket means the receiver loads as a second load does (Note [Segment
-  // lifetime]), while our view keeps the segment until the message is
-  // written.
-  uint64_t channel_inode = 0;
-  try {
-    channel_inode = current_channel();
-  } catch (const std::exception&) {
-  }
+  // Raising here would lose the message: no ticket means the receiver loads
+  // as a second load does (Note [Segment lifetime]), while our view keeps
+  // the segment until the message is written.
   uint64_t ticket = 0;
   if (!view->segment->unlinked()) {
-    // A writer to watch only where the write is known to return through
-    // _channel.py's hook: a message that went another way keeps its ticket.
     try {
-      const uint64_t writer = channel_inode ? self_id() : 0;
-      ticket = view->segment->issue_ticket(channel_inode, writer);
+      // A writer to watch only where the write is known to go through
+      // _channel.py's hook: a message that goes another way keeps its
+      // ticket until the session ends.
+      const uint64_t writer = writer_on_stack() ? self_id() : 0;
+      ticket = view->segment->issue_ticket(0, writer);
       if (ticket != 0 && writer != 0)
         being_written.emplace_back(view->segment, ticket);
     } catch (const std::exception&) {
-      // No ticket: the receiver loads as a second load does.
       view->segment->pin();
     }
     if (ticket == 0) count(kTicketsUnavailable);
   }
-  return py::make_tuple(py::handle(wire.attach_segment),
+  return py::make_tuple(py::handle(config().hooks.attach_segment),
                         py::make_tuple(py::str(view->segment->locator()),
                                        ticket, view->segment->generation()));
 }
@@ -154,6 +233,14 @@ py::object current_message() {
   return message;
 }
 
+bool message_writing(uint64_t pipe_inode) {
+  if (being_written.empty()) return false;
+  if (pipe_inode != 0)
+    for (auto& [segment, ticket] : being_written)
+      segment->name_channel(ticket, pipe_inode);
+  return true;
+}
+
 void message_written() {
   if (!being_written.empty()) end_write(true);
 }
@@ -164,105 +251,98 @@ void message_not_written() {
 
 void forget_written_tickets() { being_written.clear(); }
 
-uint64_t current_channel() {
-  if (channel.writers == nullptr) return 0;
-  PyFrameObject* top = PyEval_GetFrame();  // borrowed
-  Py_XINCREF(top);
-  py::object frame =
-      py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(top));
-  for (int depth = 0; frame && depth < channel.max_depth; ++depth) {
-    auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
-    py::object code = py::reinterpret_steal<py::object>(
-        reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
-    PyObject* find = PyDict_GetItemWithError(channel.writers, code.ptr());
-    if (find != nullptr)
-      return py::reinterpret_borrow<py::object>(channel.pipe_inode)(
-                 py::handle(find), frame)
-          .cast<uint64_t>();
-    if (PyErr_Occurred()) throw py::error_already_set();
-    frame = py::reinterpret_steal<py::object>(
-        reinterpret_cast<PyObject*>(PyFrame_GetBack(f)));
-  }
-  return 0;
-}
-
-void configure_wire(py::object rebuild_ndarray, py::object attach_segment,
-                    py::object message_token) {
-  Py_XSETREF(wire.rebuild_ndarray, rebuild_ndarray.release().ptr());
-  Py_XSETREF(wire.attach_segment, attach_segment.release().ptr());
-  Py_XSETREF(wire.message_token, message_token.release().ptr());
-  if (wire.reduce_name == nullptr)
-    wire.reduce_name = PyUnicode_InternFromString("__reduce__");
-}
-
-void configure_channel(py::object writers, py::object pipe_inode,
-                       int max_depth) {
-  TORCH_CHECK(PyDict_Check(writers.ptr()), "expected a dict of writers");
-  Py_XSETREF(channel.writers, writers.release().ptr());
-  Py_XSETREF(channel.pipe_inode, pipe_inode.release().ptr());
-  channel.max_depth = max_depth;
-}
-
 namespace {
 
-// An array at or above the threshold, through the thread's message. Never
-// raises an Exception: a failure goes to Python's fall_back (a reducer that
-// raises in a Queue's feeder thread loses the message).
-PyObject* share_natively(PyObject* obj) {
-  const SenderHooks& hooks = sender_hooks();
-  try {
-    py::object message = current_message();
-    py::object reduced = message.cast<Message&>().share(message, obj, false);
-    if (!reduced.is_none()) return reduced.release().ptr();
-  } catch (...) {
-    set_python_error(std::current_exception());
-    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != nullptr) PyException_SetTraceback(value, traceback);
-    Py_XDECREF(type);
-    Py_XDECREF(traceback);
-    PyObject* out =
-        PyObject_CallFunctionObjArgs(hooks.fall_back, obj, value, nullptr);
-    Py_XDECREF(value);
-    return out;
-  }
-  // Memory a torch tensor owns that torchshm did not make: Python decides.
-  return PyObject_CallOneArg(hooks.policy_reducer, obj);
+// Python's fall_back for a failure of the native path: numpy's reduce, and
+// the one warning. Returns nullptr only for a non-Exception (KeyboardInterrupt
+// and the like), which must propagate.
+PyObject* fall_back(PyObject* obj) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  if (traceback != nullptr) PyException_SetTraceback(value, traceback);
+  Py_XDECREF(type);
+  Py_XDECREF(traceback);
+  PyObject* out = call_hook(config().hooks.fall_back, obj, value);
+  Py_XDECREF(value);
+  return out;
 }
 
-// Small non-object arrays: numpy's own reduce, counted as inline. Arrays at
-// or above the threshold: shared without entering Python. Every other array
-// (packed, empty, object dtype, over torch memory) goes to Python's policy
-// reducer, which never raises (torchshm/_sender.py: reduce_ndarray).
+// An array of at least inline_below bytes (`small`: its size if it is below
+// the threshold, else -1), through the thread's message. Never raises an
+// Exception: a failure goes to Python's fall_back (a reducer that raises in
+// a Queue's feeder thread loses the message).
+PyObject* reduce_through_message(PyObject* obj, int64_t small) {
+  static PyObject* reduce_name = PyUnicode_InternFromString("__reduce__");
+  try {
+    const Config& c = config();
+    py::object message = current_message();
+    Message& m = message.cast<Message&>();
+    if (small >= 0 && m.small_bytes < c.policy.threshold) {
+      m.small_bytes += small;
+      count(kArraysInline);
+      py::object reduced = py::reinterpret_steal<py::object>(
+          PyObject_CallMethodNoArgs(obj, reduce_name));
+      if (!reduced) throw py::error_already_set();
+      py::tuple parts = reduced.cast<py::tuple>();
+      TORCH_CHECK(parts.size() == 3, "expected numpy's 3-part reduce, got ",
+                  parts.size(), " parts");
+      return py::make_tuple(
+                 py::handle(wire(1)),
+                 py::make_tuple(message, parts[0], parts[1], parts[2]))
+          .release()
+          .ptr();
+    }
+    Placement placed = m.plan.place(obj);
+    if (placed.kind == Placement::kTorchOwned) {
+      py::tuple view = view_args(obj, placed.offset);
+      PyObject* answer =
+          call_hook(c.hooks.reduce_torch_owned, placed.owner.ptr(), view.ptr());
+      if (answer == nullptr) throw py::error_already_set();
+      if (answer != Py_None) {
+        count(kArraysResent);
+        return answer;
+      }
+      Py_DECREF(answer);
+      placed = m.plan.copy(obj, placed);
+    }
+    return m.reduce_shared(message, obj, placed).release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return fall_back(obj);
+  }
+}
+
+// See the Note: by size, natively; object and empty arrays go to Python's
+// reduce_other, which never raises (torchshm/_sender.py).
 PyObject* fast_reduce(PyObject* /*self*/, PyObject* obj) {
-  const SenderHooks& hooks = sender_hooks();
-  if (hooks.policy_reducer == nullptr || wire.rebuild_ndarray == nullptr) {
+  static PyObject* reduce_name = PyUnicode_InternFromString("__reduce__");
+  if (!configured()) {
     PyErr_SetString(PyExc_RuntimeError,
                     "torchshm: the sender is not configured (import torchshm)");
     return nullptr;
   }
+  const Config& c = config();
   if (PyArray_Check(obj)) {
     auto* a = reinterpret_cast<PyArrayObject*>(obj);
     if (!PyDataType_REFCHK(PyArray_DESCR(a)) && PyArray_SIZE(a) > 0) {
-      const SenderPolicy& policy = sender_policy();
       const int64_t nbytes = PyArray_NBYTES(a);
-      if (nbytes < policy.inline_below) {
+      if (nbytes < c.policy.inline_below()) {
         count(kArraysInline);
-        return PyObject_CallMethodNoArgs(obj, wire.reduce_name);
+        return PyObject_CallMethodNoArgs(obj, reduce_name);
       }
-      if (nbytes >= policy.threshold) return share_natively(obj);
+      return reduce_through_message(obj,
+                                    nbytes < c.policy.threshold ? nbytes : -1);
     }
   }
-  return PyObject_CallOneArg(hooks.policy_reducer, obj);
+  return call_hook(c.hooks.reduce_other, obj);
 }
 
 PyMethodDef fast_reduce_def = {
     "reduce_ndarray", fast_reduce, METH_O,
-    "torchshm's ForkingPickler reducer for ndarrays: below the inline bound "
-    "numpy's own reduce, from the threshold up shared natively, else "
-    "torchshm._sender.reduce_ndarray."};
+    "torchshm's ForkingPickler reducer for ndarrays (Note [One message, one "
+    "snapshot] in csrc/message.h)."};
 
 }  // namespace
 

@@ -5,9 +5,11 @@
 #include <torch/extension.h>
 
 #include "allocator.h"
+#include "config.h"
 #include "errors.h"
 #include "identity.h"
 #include "layout.h"
+#include "live.h"
 #include "message.h"
 #include "ndarray.h"
 #include "numpy_api.h"
@@ -41,6 +43,14 @@ void torchshm::set_python_error(std::exception_ptr error) {
   } catch (const torchshm::ShmError& e) {
     py::object args = py::make_tuple(e.err(), e.what());
     PyErr_SetObject(shm_error_type, args.ptr());
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -55,9 +65,6 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torchshm's native mechanism: segments, holders, extents, copies.";
   m.attr("built_with_torch") = TORCHSHM_TORCH_VERSION;
   m.attr("built_with_numpy") = TORCHSHM_NUMPY_VERSION;
-  m.attr("HEADER_BYTES") = torchshm::kHeaderBytes;
-  m.attr("SLOTS") = torchshm::kSlots;
-  m.attr("TICKET_BIT") = torchshm::kTicketBit;
   {
     // Every constant of layout.h, for the keeper's copy and its test.
     using namespace torchshm;
@@ -188,40 +195,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("process_id", &torchshm::self_id);
   m.def("set_lock_session", &torchshm::set_lock_session, py::arg("session"));
   m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));
-  m.def("lock_path", &torchshm::lock_path, py::arg("id"));
   m.def("prepare_child", &torchshm::prepare_child);
   m.def("after_fork_in_parent", &torchshm::after_fork_in_parent);
   m.def("after_fork_in_child", &torchshm::after_fork_in_child);
   m.def("remove_own_lock", &torchshm::remove_own_lock);
 
   // Note [Born shared] (allocator.h).
-  m.def("set_born_source", &torchshm::set_born_source, py::arg("source"));
   m.def("make_born_handler", &torchshm::make_born_handler, py::arg("min_bytes"),
         py::arg("fallback"));
   m.def("born_fallback", &torchshm::born_fallback, py::arg("handler"));
   m.def("current_numpy_handler", &torchshm::current_numpy_handler);
   m.def("swap_numpy_handler", &torchshm::swap_numpy_handler,
         py::arg("handler"));
-  m.def("born_owner", &torchshm::born_owner, py::arg("address"));
-  m.def("born_blocks", &torchshm::born_blocks);
-
-  m.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
-  m.def("data_address", &torchshm::data_address, py::arg("array"));
-  m.def("copy_extent", &torchshm::copy_extent, py::arg("array"),
-        py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
-  m.def(
-      "receive_ndarray",
-      [](const at::Tensor& owner, int64_t offset, py::handle dtype,
-         const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
-         bool writeable) {
-        py::object array = torchshm::wrap_ndarray(owner, offset, dtype, shape,
-                                                  strides, writeable);
-        torchshm::count(torchshm::kArraysReceived);
-        return array;
-      },
-      py::arg("owner"), py::arg("offset"), py::arg("dtype"), py::arg("shape"),
-      py::arg("strides"), py::arg("writeable"),
-      "wrap_ndarray for a received array: counted as arrays_received.");
 
   // The sender's pool (pool.h, Note [Segment pool]).
   using torchshm::SegmentPool;
@@ -253,37 +238,52 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nbytes", &SegmentPool::nbytes)
       .def_readwrite("fast_until", &SegmentPool::fast_until);
 
+  // Note [The seam] (torchshm/_native.py): everything, once.
+  m.def(
+      "configure",
+      [](int64_t threshold, int64_t pack_min, int64_t sparse_ratio,
+         int64_t pack_limit, int64_t chunk_start, int64_t chunk_max,
+         int64_t alignment, int copy_threads, py::object reduce_other,
+         py::object reduce_torch_owned, py::object fall_back,
+         py::object allocate, py::object attach_segment, py::object born_source,
+         py::tuple writers, int max_depth, std::shared_ptr<SegmentPool> pool) {
+        torchshm::Config c{
+            torchshm::SenderPolicy{threshold, pack_min, sparse_ratio,
+                                   pack_limit, chunk_start, chunk_max,
+                                   alignment, copy_threads},
+            torchshm::Hooks{reduce_other.ptr(), reduce_torch_owned.ptr(),
+                            fall_back.ptr(), allocate.ptr(),
+                            attach_segment.ptr(), born_source.ptr(),
+                            writers.ptr(), max_depth, std::move(pool)}};
+        torchshm::configure(c);
+      },
+      py::kw_only(), py::arg("threshold"), py::arg("pack_min"),
+      py::arg("sparse_ratio"), py::arg("pack_limit"), py::arg("chunk_start"),
+      py::arg("chunk_max"), py::arg("alignment"), py::arg("copy_threads"),
+      py::arg("reduce_other"), py::arg("reduce_torch_owned"),
+      py::arg("fall_back"), py::arg("allocate"), py::arg("attach_segment"),
+      py::arg("born_source"), py::arg("writers"), py::arg("max_depth"),
+      py::arg("pool"));
+  m.def("set_threshold", &torchshm::set_threshold, py::arg("threshold"));
+
   // The sender (plan.h, Note [Sender plan]; message.h, Note [One message,
-  // one snapshot]).
+  // one snapshot]). A Message is pickled only as a token: it unpickles as
+  // None.
   using torchshm::Message;
-  py::class_<Message>(m, "Message")
-      .def(py::init<>())
-      .def(
-          "place",
-          [](Message& self, py::handle array, bool copy) {
-            torchshm::Placement p = self.plan.place(array, copy);
-            if (p.name.is_none())
-              return py::make_tuple(p.owner, p.name, p.offset);
-            return py::make_tuple(
-                p.owner, p.name,
-                torchshm::view_args(array, p.offset, p.strides));
-          },
-          py::arg("array"), py::arg("copy") = false)
-      .def(
-          "share",
-          [](py::handle self, py::handle array, bool copy) {
-            return self.cast<Message&>().share(self, array, copy);
-          },
-          py::arg("array"), py::arg("copy") = false)
-      .def("token",
-           [](py::handle self) { return self.cast<Message&>().token(self); })
-      .def_readwrite("small_bytes", &Message::small_bytes);
+  py::class_<Message>(m, "Message").def("__reduce__", [](py::handle) {
+    return py::make_tuple(torchshm::wire_function("message_token"),
+                          py::tuple());
+  });
   py::class_<torchshm::SegmentRef>(m, "SegmentRef")
       .def_readonly("owner", &torchshm::SegmentRef::owner)
       .def_readonly("name", &torchshm::SegmentRef::name)
       .def("__reduce__", &torchshm::SegmentRef::reduce);
+  m.attr("reduce_ndarray") = torchshm::fast_reducer();
+  for (const char* name :
+       {"rebuild_ndarray", "rebuild_inline", "message_token"})
+    m.attr(name) = torchshm::wire_function(name);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
-  m.def("current_message", &torchshm::current_message);
+  m.def("message_writing", &torchshm::message_writing, py::arg("pipe_inode"));
   m.def("message_written", &torchshm::message_written);
   m.def("message_not_written", &torchshm::message_not_written);
   m.def("forget_written_tickets", &torchshm::forget_written_tickets);
@@ -294,40 +294,20 @@ PYBIND11_MODULE(_C, m) {
         return torchshm::view_args(array, offset);
       },
       py::arg("array"), py::arg("offset"));
-  m.def(
-      "configure_sender",
-      [](py::object policy_reducer, py::object fall_back, py::object allocate,
-         int64_t inline_below, int64_t threshold, int64_t sparse_ratio,
-         int64_t pack_limit, int64_t chunk_start, int64_t chunk_max,
-         int64_t alignment, int copy_threads) {
-        TORCH_CHECK(threshold >= 0 && sparse_ratio >= 1 && pack_limit >= 0 &&
-                        chunk_start > 0 && chunk_max >= chunk_start &&
-                        alignment > 0 && copy_threads >= 1,
-                    "invalid sender policy");
-        torchshm::SenderPolicy p;
-        p.inline_below = inline_below;
-        p.threshold = threshold;
-        p.sparse_ratio = sparse_ratio;
-        p.pack_limit = pack_limit;
-        p.chunk_start = chunk_start;
-        p.chunk_max = chunk_max;
-        p.alignment = alignment;
-        p.copy_threads = copy_threads;
-        torchshm::configure_sender(std::move(policy_reducer),
-                                   std::move(fall_back), std::move(allocate),
-                                   p);
-      },
-      py::arg("policy_reducer"), py::arg("fall_back"), py::arg("allocate"),
-      py::arg("inline_below"), py::arg("threshold"), py::arg("sparse_ratio"),
-      py::arg("pack_limit"), py::arg("chunk_start"), py::arg("chunk_max"),
-      py::arg("alignment"), py::arg("copy_threads"));
-  m.def("configure_sender_pool", &torchshm::configure_sender_pool,
-        py::arg("pool"), py::arg("live"));
-  m.def("configure_wire", &torchshm::configure_wire, py::arg("rebuild_ndarray"),
-        py::arg("attach_segment"), py::arg("message_token"));
-  m.def("configure_channel", &torchshm::configure_channel, py::arg("writers"),
-        py::arg("pipe_inode"), py::arg("max_depth"));
-  m.attr("reduce_ndarray") = torchshm::fast_reducer();
+
+  // Note [Live views] (live.h): one table, written from both languages.
+  using torchshm::LiveViews;
+  py::class_<LiveViews>(m, "LiveViews")
+      .def("get", &LiveViews::get, py::arg("name"))
+      .def("remember", &LiveViews::remember, py::arg("name"), py::arg("owner"),
+           py::arg("callback") = py::none())
+      .def("forget_if_dead", &LiveViews::forget_if_dead, py::arg("name"))
+      .def("owners", &LiveViews::owners)
+      .def("prune", &LiveViews::prune)
+      .def("clear", &LiveViews::clear)
+      .def("__len__", &LiveViews::size);
+  m.attr("live") =
+      py::cast(&torchshm::live_views(), py::return_value_policy::reference);
 
   std::vector<std::string> names(
       torchshm::kCounterNames,
@@ -362,4 +342,46 @@ PYBIND11_MODULE(_C, m) {
   m.def("wrap_ndarray", &torchshm::wrap_ndarray, py::arg("owner"),
         py::arg("offset"), py::arg("dtype"), py::arg("shape"),
         py::arg("strides"), py::arg("writeable"));
+
+  // For tests and benchmarks only: mechanism that no torchshm module calls,
+  // looked at from outside.
+  py::module_ testing = m.def_submodule(
+      "testing", "Native internals for torchshm's tests and benchmarks.");
+  testing.def("lock_path", &torchshm::lock_path, py::arg("id"));
+  testing.def("born_owner", &torchshm::born_owner, py::arg("address"));
+  testing.def("born_blocks", &torchshm::born_blocks);
+  testing.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
+  testing.def("data_address", &torchshm::data_address, py::arg("array"));
+  testing.def("copy_extent", &torchshm::copy_extent, py::arg("array"),
+              py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
+  testing.def(
+      "place",
+      [](py::handle array) {
+        torchshm::Message message;
+        torchshm::Placement p = message.plan.place(array);
+        const char* kinds[] = {"segment", "torch_owned", "copied"};
+        if (p.kind == torchshm::Placement::kTorchOwned)
+          return py::make_tuple(kinds[p.kind], p.owner, p.offset);
+        return py::make_tuple(kinds[p.kind], p.owner, p.name,
+                              torchshm::view_args(array, p.offset, p.strides));
+      },
+      py::arg("array"),
+      "Plan::place in a fresh message: (kind, owner, name, view args), or "
+      "(\"torch_owned\", tensor, offset).");
+  testing.def("hook_calls", &torchshm::hook_calls,
+              "Calls from C++ into torchshm's Python hooks so far.");
+  testing.def("reset_hook_calls", &torchshm::reset_hook_calls);
+  testing.def("sender_policy", [] {
+    const torchshm::SenderPolicy& p = torchshm::config().policy;
+    py::dict out;
+    out["threshold"] = p.threshold;
+    out["pack_min"] = p.pack_min;
+    out["sparse_ratio"] = p.sparse_ratio;
+    out["pack_limit"] = p.pack_limit;
+    out["chunk_start"] = p.chunk_start;
+    out["chunk_max"] = p.chunk_max;
+    out["alignment"] = p.alignment;
+    out["copy_threads"] = p.copy_threads;
+    return out;
+  });
 }

@@ -5,16 +5,16 @@
 #include <string>
 
 #include "allocator.h"
+#include "config.h"
+#include "live.h"
 #include "ndarray.h"
 #include "numpy_api.h"
+#include "pool.h"
 #include "segment.h"
 #include "stats.h"
 
 namespace torchshm {
 namespace {
-
-SenderPolicy policy;
-SenderHooks hooks;
 
 py::tuple int_tuple(const npy_intp* values, int n) {
   py::tuple out(n);
@@ -50,19 +50,13 @@ py::object segment_name(const at::Tensor& tensor) {
 // A view over an idle pooled segment, taken without entering Python, or
 // None: the pool is not armed (Note [Segment pool]) or has none idle.
 py::object take_pooled(int64_t nbytes) {
-  SegmentPool* pool = hooks.pool.get();
-  if (pool == nullptr || !(monotonic_seconds() < pool->fast_until))
-    return py::none();
+  SegmentPool* pool = config().hooks.pool.get();
+  if (!(monotonic_seconds() < pool->fast_until)) return py::none();
   at::Tensor tensor = pool->take(nbytes, /*thorough=*/false);
   if (!tensor.defined()) return py::none();
   py::object owner = py::cast(tensor);
-  // As _segments.allocate_block records it: fork gives children a slot in
-  // every live view's segment (Note [Fork] in torchshm/_segments.py).
-  py::object weak =
-      py::reinterpret_steal<py::object>(PyWeakref_NewRef(owner.ptr(), nullptr));
-  if (!weak ||
-      PyDict_SetItem(hooks.live, segment_name(tensor).ptr(), weak.ptr()) != 0)
-    throw py::error_already_set();
+  // As _segments.allocate_block records it (Note [Live views]).
+  live_views().remember(view_of(tensor)->segment->name(), owner, py::none());
   count(kSegmentsReused);
   return owner;
 }
@@ -102,23 +96,6 @@ py::tuple view_args(py::handle array, int64_t offset,
   return out;
 }
 
-void configure_sender(py::object policy_reducer, py::object fall_back,
-                      py::object allocate, const SenderPolicy& p) {
-  Py_XSETREF(hooks.policy_reducer, policy_reducer.release().ptr());
-  Py_XSETREF(hooks.fall_back, fall_back.release().ptr());
-  Py_XSETREF(hooks.allocate, allocate.release().ptr());
-  policy = p;
-}
-
-void configure_sender_pool(std::shared_ptr<SegmentPool> pool, py::object live) {
-  TORCH_CHECK(PyDict_Check(live.ptr()), "expected a dict of live views");
-  hooks.pool = std::move(pool);
-  Py_XSETREF(hooks.live, live.release().ptr());
-}
-
-const SenderPolicy& sender_policy() { return policy; }
-const SenderHooks& sender_hooks() { return hooks; }
-
 // Where an array's memory lives in a torchshm segment, if it does: the only
 // place the sender decides "this memory is a segment"; everything after it
 // works from the returned tensor (offsets are relative to its storage).
@@ -154,40 +131,53 @@ py::object memory_owner(py::handle array) {
   return owner.defined() ? py::cast(owner) : py::none();
 }
 
-Placement Plan::place(py::handle array, bool copy) {
+Placement Plan::place(py::handle array) {
   TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
               std::string(py::str(py::type::handle_of(array))));
   auto [root, nearest] = base_chain(array);
-  if (!copy) {
-    const at::Tensor owner = lookup_segment_owner(root, nearest);
-    if (owner.defined()) {
-      // A segment whose name is gone (its session ended) cannot be mapped
-      // by a receiver: snapshot the array instead.
-      View* view = view_of(owner);
-      if (!view->segment->unlinked()) {
-        // Relative to the storage, not to `owner`, which may start at an
-        // offset into it (a slice of a received array's base).
-        const int64_t offset =
-            data_address(array) -
-            reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
-        count(kArraysResent);
-        py::object ref_owner =
-            root && root.ptr() != Py_None && THPVariable_Check(root.ptr())
-                ? py::reinterpret_borrow<py::object>(root)
-                : py::cast(owner);
-        return Placement{
-            std::move(ref_owner), py::str(view->segment->name()), offset, {}};
-      }
-    } else if (root && THPVariable_Check(root.ptr())) {
-      const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
+  const at::Tensor owner = lookup_segment_owner(root, nearest);
+  if (owner.defined()) {
+    // A segment whose name is gone (its session ended) cannot be mapped
+    // by a receiver: snapshot the array instead.
+    View* view = view_of(owner);
+    if (!view->segment->unlinked()) {
+      // Relative to the storage, not to `owner`, which may start at an
+      // offset into it (a slice of a received array's base).
       const int64_t offset =
           data_address(array) -
-          reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
-      return Placement{
-          py::reinterpret_borrow<py::object>(root), py::none(), offset, {}};
+          reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
+      count(kArraysResent);
+      py::object ref_owner = root && THPVariable_Check(root.ptr())
+                                 ? py::reinterpret_borrow<py::object>(root)
+                                 : py::cast(owner);
+      return Placement{Placement::kSegment,
+                       std::move(ref_owner),
+                       py::str(view->segment->name()),
+                       offset,
+                       {},
+                       root,
+                       nearest};
     }
+  } else if (root && THPVariable_Check(root.ptr())) {
+    const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
+    const int64_t offset =
+        data_address(array) -
+        reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
+    return Placement{Placement::kTorchOwned,
+                     py::reinterpret_borrow<py::object>(root),
+                     py::none(),
+                     offset,
+                     {},
+                     root,
+                     nearest};
   }
   return copy_view(array, root, nearest);
+}
+
+Placement Plan::copy(py::handle array, const Placement& torch_owned) {
+  TORCH_CHECK(torch_owned.kind == Placement::kTorchOwned,
+              "expected a placement of torch-owned memory to copy");
+  return copy_view(array, torch_owned.root, torch_owned.nearest);
 }
 
 Placement Plan::copy_view(py::handle array, py::handle root,
@@ -195,6 +185,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   PyArrayObject* a = as_ndarray(array);
   auto [lo, hi] = byte_extent(array);
   const int64_t nbytes = PyArray_NBYTES(a);
+  const SenderPolicy& policy = config().policy;
   if (hi - lo > policy.sparse_ratio * nbytes) return copy_compacted(array);
   py::handle key = root && root.ptr() != Py_None ? root : nearest;
   auto found = roots_.find(key.ptr());
@@ -209,7 +200,13 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   for (const Copy& c : entry.copies) {
     if (c.lo <= start + lo && start + hi <= c.hi) {
       count(kArraysResent);
-      return Placement{c.target.owner, c.target.name, c.at + start - c.lo, {}};
+      return Placement{Placement::kCopied,
+                       c.target.owner,
+                       c.target.name,
+                       c.at + start - c.lo,
+                       {},
+                       root,
+                       nearest};
     }
   }
   // Copy the whole buffer when this view covers most of it, so that other
@@ -237,7 +234,8 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   count(kBytesCopied, n);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
   const int64_t offset = at + data_address(array) - (start + lo);
-  return Placement{target.owner, target.name, offset, {}};
+  return Placement{
+      Placement::kCopied, target.owner, target.name, offset, {}, root, nearest};
 }
 
 Placement Plan::copy_compacted(py::handle array) {
@@ -271,16 +269,19 @@ Placement Plan::copy_compacted(py::handle array) {
     throw py::error_already_set();
   count(kArraysShared);
   count(kBytesCopied, nbytes);
-  return Placement{target.owner, target.name, at, std::move(strides)};
+  return Placement{Placement::kCopied, target.owner, target.name, at,
+                   std::move(strides), py::handle(), py::handle()};
 }
 
 std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
-  const SenderPolicy& p = policy;
+  const SenderPolicy& p = config().policy;
   auto allocate = [](int64_t n) {
     py::object owner = take_pooled(n);
     if (owner.is_none()) {
-      TORCH_CHECK(hooks.allocate != nullptr, "the sender is not configured");
-      owner = py::reinterpret_borrow<py::object>(hooks.allocate)(n);
+      py::int_ wanted(n);
+      owner = py::reinterpret_steal<py::object>(
+          call_hook(config().hooks.allocate, wanted.ptr()));
+      if (!owner) throw py::error_already_set();
     }
     TORCH_CHECK(THPVariable_Check(owner.ptr()),
                 "expected allocate() to return a tensor, got ",

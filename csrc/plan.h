@@ -10,81 +10,54 @@
 #include <vector>
 
 #include "numpy_api.h"
-#include "pool.h"
 
 namespace torchshm {
 
 // Note [Sender plan]
 // multiprocessing pickles each message with a fresh pickler; torchshm keeps
 // one Plan per message (Message, message.h). Plan::place answers, for one
-// array at or above the threshold:
-// 1. Where its memory lives: the base chain is walked here (root object,
-//    nearest ndarray). Memory already in a torchshm segment (received,
-//    shared, or born there: Note [Born shared] in allocator.h) is sent by
-//    reference (offset relative to the segment's storage); a root that is a
-//    torch tensor over memory torchshm did not make is handed back to Python,
-//    which decides by torch's sharing strategy.
-// 2. Whether this message already copied it: views of one buffer share one
-//    copy, so aliasing survives the trip.
-// 3. Where a copy goes: the message's chunk, or a segment of its own from
-//    PACK_LIMIT up. Segments come from the pool without entering Python
-//    while the pool is armed (Note [Segment pool] in pool.h), else from
-//    Python's allocate (the pool's bookkeeping and the budget policy); both
-//    only when a chunk is full.
-// 4. The copy, with the GIL released (or a compacted copy of a sparse view).
-// Python keeps every policy number and pushes them in (configure_sender);
-// this code never reads the environment and never pickles. Tickets are not
-// taken here: the pickler issues one per reference it writes (SegmentRef in
-// message.h, Note [Segment lifetime] in segment.h).
+// array at or above the threshold, in one walk of its base chain (root
+// object, nearest ndarray), with one of three tags:
+// - kSegment: its memory is in a torchshm segment already (received,
+//   shared, or born there: Note [Born shared] in allocator.h): sent by
+//   reference, the offset relative to the segment's storage.
+// - kTorchOwned: a torch tensor that torchshm did not make owns it. Whether
+//   torch's own sharing may carry it is Python's decision (it depends on
+//   torch's sharing strategy): the native reducer asks it, once, and on
+//   "copy" calls Plan::copy with this placement, which walks nothing again.
+// - kCopied: copied into shared memory by this message (or by an earlier
+//   array of it: views of one buffer share one copy, so aliasing survives).
+//   The copy goes into the message's chunk, or a segment of its own from
+//   pack_limit up; segments come from the pool without entering Python
+//   while it is armed (Note [Segment pool] in pool.h), else from Python's
+//   allocate hook, both only when a chunk is full. The copy runs with the
+//   GIL released (or compacts a sparse view).
+// Every number comes from the configuration (config.h); this code never reads
+// the environment and never pickles. Tickets are not taken here: the pickler
+// issues one per reference it writes (SegmentRef in message.h, Note
+// [Segment lifetime] in segment.h).
 
-struct SenderPolicy {
-  // Arrays below this many bytes are reduced by numpy's own __reduce__ in
-  // the native reducer, without entering Python: min(threshold, PACK_MIN).
-  int64_t inline_below = 0;
-  // Arrays from this many bytes up are shared by the native reducer
-  // (message.h).
-  int64_t threshold = 0;
-  int64_t sparse_ratio = 2;
-  int64_t pack_limit = 16 << 20;
-  int64_t chunk_start = 1 << 20;
-  int64_t chunk_max = 64 << 20;
-  int64_t alignment = 64;
-  int copy_threads = 1;
-};
-
-// Python's side of the sender, pushed in by torchshm/_sender.py and
-// torchshm/_segments.py (strong references, never released: the policy lives
-// as long as the interpreter, and a reducer may run during its shutdown).
-struct SenderHooks {
-  PyObject* policy_reducer = nullptr;  // every array the native path leaves
-  PyObject* fall_back = nullptr;       // (array, exception) -> numpy's reduce
-  PyObject* allocate = nullptr;        // nbytes -> segment tensor (slow path)
-  std::shared_ptr<SegmentPool> pool;   // taken from directly while armed
-  PyObject* live = nullptr;  // _segments._live: name -> weak ref to a view
-};
-
-void configure_sender(py::object policy_reducer, py::object fall_back,
-                      py::object allocate, const SenderPolicy& policy);
-void configure_sender_pool(std::shared_ptr<SegmentPool> pool, py::object live);
-const SenderPolicy& sender_policy();
-const SenderHooks& sender_hooks();
-
-// Where one array goes: its owner (an int8 tensor over a whole segment, or
-// the root tensor of memory torchshm did not make), the segment's name (None
-// for the latter), its offset from the owner's storage, and the strides it
-// is rebuilt with (empty: its own).
+// Where one array goes.
 struct Placement {
+  enum Kind { kSegment, kTorchOwned, kCopied };
+  Kind kind;
+  // An int8 tensor over a whole segment (kSegment, kCopied), or the root
+  // tensor that owns the memory (kTorchOwned).
   py::object owner;
-  py::object name;
-  int64_t offset = 0;
-  std::vector<npy_intp> strides;
+  py::object name;                // the segment's name; None for kTorchOwned
+  int64_t offset = 0;             // from the start of the owner's storage
+  std::vector<npy_intp> strides;  // rebuilt with these (empty: its own)
+  // The base chain, for Plan::copy after a kTorchOwned answer.
+  py::handle root;
+  py::handle nearest;
 };
 
 class Plan {
  public:
-  // Places one array (see the Note); with `copy`, memory a torch tensor
-  // owns that torchshm did not make is copied too.
-  Placement place(py::handle array, bool copy);
+  // Places one array (see the Note).
+  Placement place(py::handle array);
+  // Copies an array that place() answered kTorchOwned for.
+  Placement copy(py::handle array, const Placement& torch_owned);
 
  private:
   struct Target {

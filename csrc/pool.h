@@ -35,12 +35,13 @@ namespace torchshm {
 // Seconds on the clock Python's time.monotonic() reads.
 double monotonic_seconds();
 
+// Python's numbers (torchshm/_pool.py), handed to the constructor.
 struct PoolClasses {
   // Sizes round up to 1/steps of their power of two, from min_class up.
-  int64_t min_class = 64 << 10;
-  int64_t steps = 8;
+  int64_t min_class;
+  int64_t steps;
   // take() accepts a class up to this much larger than the one wanted.
-  double max_waste = 1.25;
+  double max_waste;
 };
 
 class SegmentPool {

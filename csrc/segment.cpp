@@ -274,10 +274,19 @@ uint64_t Segment::issue_ticket(uint64_t channel, uint64_t writer) {
   s.channel.store(channel);
   s.writer.store(writer);
   // After the ticket: the keeper clears a flag before it looks (table.h).
-  if (channel != 0) {
+  if (channel != 0 || writer != 0) {
     if (auto table = this->table()) table->flag(index(), kFlagTickets);
   }
   return ticket;
+}
+
+void Segment::name_channel(uint64_t ticket, uint64_t channel) {
+  Slot* s = ticket_slot(ticket);
+  // Only the writer calls this, before its message's first byte is written:
+  // nobody can have claimed the ticket, so the slot is still this ticket's.
+  if (s == nullptr || s->word.load() != ticket) return;
+  s->channel.store(channel);
+  if (auto table = this->table()) table->flag(index(), kFlagTickets);
 }
 
 Slot* Segment::ticket_slot(uint64_t ticket) const {

@@ -36,11 +36,12 @@
 // - The creator takes slot 0: its pool's, or its view's when the pool is
 //   full.
 // - A sender issues a ticket when the pickler writes the segment's
-//   reference, once per message. A ticket whose message goes into a known
-//   pipe carries the writer, marked "being written" until the write has
-//   returned (_channel.py); a message on this thread that starts while its
-//   predecessor's tickets are still being written cancels them (that message
-//   was never written).
+//   reference, once per message. A ticket whose message a multiprocessing
+//   writer is pickling carries the writer, marked "being written" until the
+//   write has returned, and the pipe, named just before the write starts
+//   (Note [One message, one snapshot] in message.h; _channel.py); a message
+//   on this thread that starts while its predecessor's tickets are still
+//   being written cancels them (that message was never written).
 // - A receiver claims the ticket: one CAS turns the word into its own id,
 //   and its view owns that slot. A process holding the segment already
 //   cancels the ticket instead.
@@ -167,6 +168,9 @@ class Segment {
   // marked "being written" until mark_written). 0 if every slot is taken:
   // then the segment is pinned (see the Note).
   uint64_t issue_ticket(uint64_t channel, uint64_t writer);
+  // Names the pipe a ticket's message is about to be written to (its
+  // writer calls this before the first byte goes out: message.h).
+  void name_channel(uint64_t ticket, uint64_t channel);
   // Turns `ticket` into `holder`; the slot, or -1 if the ticket is gone.
   int claim_ticket(uint64_t ticket, uint64_t holder);
   // Frees the ticket's slot; false if it was already claimed or never existed.

@@ -84,7 +84,7 @@ def assert_same_array(received, sent, keep_strides=True):
     else:  # compacted: dense, axes in the sender's memory order
         from torchshm import _C
 
-        lo, hi = _C.byte_extent(received)
+        lo, hi = _C.testing.byte_extent(received)
         assert hi - lo == received.nbytes
         axes = [d for d in range(sent.ndim) if sent.shape[d] > 1]  # others: any stride
         assert sorted(axes, key=lambda d: abs(sent.strides[d])) == sorted(
@@ -104,5 +104,5 @@ def is_sparse(a):
     from torchshm import _C
     from torchshm._sender import SPARSE_RATIO
 
-    lo, hi = _C.byte_extent(a)
+    lo, hi = _C.testing.byte_extent(a)
     return hi - lo > SPARSE_RATIO * a.nbytes

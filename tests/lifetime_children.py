@@ -59,7 +59,7 @@ def copy_under_thread_limit(nbytes):
             except OSError:
                 pass
     resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
-    _C.copy_extent(src, dest, 0, 4)
+    _C.testing.copy_extent(src, dest, 0, 4)
     ok = bool(np.array_equal(expected, src))
     print("ok" if ok else "mismatch", flush=True)
 
@@ -105,6 +105,25 @@ def fanout_receiver(queue, outbox, start, pause, count):
         if pause:
             time.sleep(pause)
     outbox.put((sorted(got), bad))
+
+
+class _Stall:
+    """Pickled after an array in the same message: says so, then never
+    returns, so the message's ticket stays "being written" before its pipe
+    is named (Note [One message, one snapshot] in csrc/message.h)."""
+
+    def __init__(self, ready):
+        self.ready = ready
+
+    def __reduce__(self):
+        self.ready.put("pickling")
+        time.sleep(120)
+        raise AssertionError("not killed")
+
+
+def send_stalled(conn, nbytes, ready):
+    """Sends an array and a _Stall in one message: dies while pickling."""
+    conn.send([np.full(nbytes // 8, 1.0), _Stall(ready)])
 
 
 def send_then_wait(conn, nbytes, value, ready):

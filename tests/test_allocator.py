@@ -30,7 +30,7 @@ def segment_of(array):
     """The segment name behind a born array (or the array it views)."""
     while isinstance(array.base, np.ndarray):
         array = array.base
-    owner = _C.born_owner(_C.data_address(array))
+    owner = _C.testing.born_owner(_C.testing.data_address(array))
     return None if owner is None else _segments.name_of(owner)
 
 
@@ -159,7 +159,7 @@ def test_an_allocating_datapipe_turns_it_on_in_the_thread_that_iterates():
     from torch.utils.data.datapipes.iter import IterableWrapper
 
     pipe = IterableWrapper(range(3)).map(allocator_children.born_sample)
-    hook = torchshm.chain(torchshm.torchdata.worker_init_fn, allocate=True)
+    hook = torchshm.chain(torchshm.torchdata.register_in_worker, allocate=True)
     got = []
     try:
         wrapped = hook(pipe, None)  # turns it on here too, as in a worker
@@ -175,10 +175,10 @@ def test_an_allocating_datapipe_turns_it_on_in_the_thread_that_iterates():
 def test_an_array_freed_after_its_block_goes_back_to_the_pool():
     with torchshm.allocating(min_bytes=MIN_BYTES):
         a = np.ones(N)
-    name, blocks = segment_of(a), _C.born_blocks()
+    name, blocks = segment_of(a), _C.testing.born_blocks()
     del a
     gc.collect()
-    assert _C.born_blocks() == blocks - 1
+    assert _C.testing.born_blocks() == blocks - 1
     with torchshm.allocating(min_bytes=MIN_BYTES):
         again = np.ones(N)
     assert segment_of(again) == name

@@ -147,7 +147,7 @@ def test_worker_init_fn_of_a_function_still_chains_but_is_deprecated():
 @pytest.mark.parametrize(
     "old,new",
     [
-        ("datapipe_worker_init_fn", "torchshm.torchdata.worker_init_fn"),
+        ("datapipe_worker_init_fn", "torchshm.torchdata.register_in_worker"),
         ("in_workers", "torchshm.torchdata.in_workers"),
         ("share_memory", "torchshm.torchdata.to_shared"),
         ("map_fn", "torchshm.chain"),
@@ -158,6 +158,20 @@ def test_moved_names_still_work_for_one_release(old, new):
         fn = getattr(torchshm, old)
     assert callable(fn)
     assert old not in torchshm.__all__
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [("allocating", "with_allocator"), ("worker_init_fn", "register_in_worker")],
+)
+def test_the_clashing_torchdata_names_still_work_for_one_release(old, new):
+    # They clashed with torchshm.allocating and torchshm.worker_init_fn,
+    # which take other arguments (issue 23).
+    with pytest.warns(DeprecationWarning, match=f"torchshm.torchdata.{new}"):
+        fn = getattr(torchshm.torchdata, old)
+    assert fn is getattr(torchshm.torchdata, new)
+    assert old not in torchshm.torchdata.__all__
+    assert getattr(torchshm, old) is not fn
 
 
 def test_the_old_datapipe_worker_init_fn_keeps_both_forms():

@@ -62,15 +62,31 @@ def test_the_keeper_restates_the_layout_it_reads():
     assert restated == {k: _C.LAYOUT[k] for k in restated}
 
 
-def test_the_shortcut_attributes_are_the_layout():
-    assert _C.HEADER_BYTES == _C.LAYOUT["HEADER_BYTES"]
-    assert _C.SLOTS == _C.LAYOUT["SLOTS"]
-    assert _C.TICKET_BIT == _C.LAYOUT["TICKET_BIT"]
+def test_the_native_sender_works_by_the_python_policy():
+    # Note [The seam]: the numbers live in Python and are handed over once;
+    # the native side keeps no copy of its own that could drift.
+    from torchshm import _sender
+
+    assert _C.testing.sender_policy() == _sender.policy()
+    pool = torchshm._segments.sender_pool().native
+    classes = torchshm._pool._CLASSES
+    for n in (1, classes["min_class"], 3 * classes["min_class"] + 1, 5 << 20):
+        assert pool.size_class(n) == _size_class(n, **classes)
+
+
+def _size_class(nbytes, min_class, steps, max_waste):
+    """The size class _pool.py describes: a multiple of 1/steps of the next
+    power of two, and of min_class."""
+    if nbytes <= min_class:
+        return min_class
+    power = 1 << (nbytes - 1).bit_length()
+    step = max(power // steps, min_class)
+    return -(-nbytes // step) * step
 
 
 def test_lock_file_names_are_made_alike_in_both_languages():
     for holder in (1, 0xABCDEF, 2**63 - 1, 0x0123456789ABCDEF):
-        assert _C.lock_path(holder) == _keeper.process_lock_path(holder)
+        assert _C.testing.lock_path(holder) == _keeper.process_lock_path(holder)
     assert _keeper.process_lock_path(5).startswith(_keeper.SHM_DIR + "/")
 
 

@@ -208,7 +208,7 @@ def test_nested_pickling_gives_each_byte_string_its_own_ticket():
 def test_more_messages_in_flight_than_slots_still_load():
     shared = torchshm.share(np.arange(10_000.0))
     before = torchshm.stats()
-    messages = [dumps(shared) for _ in range(_C.SLOTS + 20)]
+    messages = [dumps(shared) for _ in range(_C.LAYOUT["SLOTS"] + 20)]
     # Past the slots, messages go without a ticket, and the segment is pinned:
     # never reused, and loadable until the session ends.
     assert delta(before, "tickets_unavailable") >= 20
@@ -284,7 +284,7 @@ def test_attach_refuses_what_is_not_a_sealed_segment_of_this_user():
     received = pickle.loads(dumps(np.ones(10_000)))
     seg = segment(received)
     # Unsealed: someone could truncate it under us (SIGBUS for every reader).
-    fd = _memfd(_C.HEADER_BYTES + 4096, 0)
+    fd = _memfd(_C.LAYOUT["HEADER_BYTES"] + 4096, 0)
     try:
         with pytest.raises(OSError, match="not a sealed memfd") as raised:
             _C.Segment.attach(fd, seg.session, seg.uid)
@@ -292,7 +292,9 @@ def test_attach_refuses_what_is_not_a_sealed_segment_of_this_user():
     finally:
         os.close(fd)
     # Sealed, but not a segment; and a segment, but another one.
-    fd = _memfd(_C.HEADER_BYTES + 4096, _keeper.F_SEAL_SHRINK | _keeper.F_SEAL_GROW)
+    fd = _memfd(
+        _C.LAYOUT["HEADER_BYTES"] + 4096, _keeper.F_SEAL_SHRINK | _keeper.F_SEAL_GROW
+    )
     try:
         with pytest.raises(OSError) as raised:
             _C.Segment.attach(fd, seg.session, seg.uid)
@@ -316,7 +318,7 @@ def test_attach_refuses_another_users_memfd():
     code = (
         "import os,fcntl,sys\n"
         "fd=os.memfd_create('x',os.MFD_ALLOW_SEALING)\n"
-        f"os.ftruncate(fd,{_C.HEADER_BYTES + 4096})\n"
+        f"os.ftruncate(fd,{_C.LAYOUT['HEADER_BYTES'] + 4096})\n"
         "fcntl.fcntl(fd,1033,6)\n"
         "print(fd,flush=True)\n"
         "sys.stdin.read()\n"
@@ -512,6 +514,29 @@ def test_a_sender_killed_mid_write_frees_its_message_while_the_pipe_stays_open()
         time.sleep(0.2)
         # The pipe is open in this process throughout; the half-written
         # message can never be read, so its memory goes.
+        kill_and_expect_memory_back(p, held)
+    finally:
+        if p.is_alive():
+            p.kill()
+        reader.close()
+        writer.close()
+
+
+def test_a_sender_killed_while_pickling_frees_its_message():
+    # Its ticket is issued, and marked "being written" by it, before its pipe
+    # is named (that happens when the write starts): the keeper judges such a
+    # ticket by its writer alone.
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    ready = ctx.Queue()
+    p = ctx.Process(
+        target=lifetime_children.send_stalled, args=(writer, 8 << 20, ready)
+    )
+    p.start()
+    try:
+        assert ready.get(timeout=TIMEOUT) == "pickling"
+        held = {n for n, s in keeper_segments().items() if s["tickets"]}
+        assert held, keeper_segments()
         kill_and_expect_memory_back(p, held)
     finally:
         if p.is_alive():
@@ -751,8 +776,8 @@ def test_the_live_table_stays_bounded_without_a_pool(monkeypatch):
     for i in range(400):
         assert pickle.loads(dumps(np.full(20_000, float(i))))[0] == i
     gc.collect()
-    live = sum(ref() is not None for ref in _segments._live.values())
-    assert len(_segments._live) <= max(64, 2 * live) + 1, len(_segments._live)
+    live = len(_C.live.owners())
+    assert len(_C.live) <= max(64, 2 * live) + 1, len(_C.live)
 
 
 def test_a_queue_does_not_keep_the_last_array_it_sent_alive():

@@ -96,8 +96,8 @@ def test_a_slot_taken_high_up_is_still_seen(pool):
     owner, _ = pool.admit(new_segment(pool, 100 * KIB))
     segment = _C.segment_of(owner)
     me = _C.process_id()
-    slots = [segment.take_slot(me) for _ in range(_C.SLOTS - 1)]
-    assert slots == list(range(1, _C.SLOTS))
+    slots = [segment.take_slot(me) for _ in range(_C.LAYOUT["SLOTS"] - 1)]
+    assert slots == list(range(1, _C.LAYOUT["SLOTS"]))
     for slot in slots[:-1]:
         segment.release_slot(slot, me)
     assert segment.holders == 2 and segment.has_live_holder(0)

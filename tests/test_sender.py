@@ -147,21 +147,22 @@ def test_a_forked_child_counts_from_zero():
 
 def test_the_plan_answers_where_memory_lives():
     a = np.arange(100_000.0)
-    message = _C.Message()
-    owner, name, args = message.place(a)
+    kind, owner, name, args = _C.testing.place(a)
+    assert kind == "copied"
     assert name.startswith("torchshm:") and args[0] % _sender.ALIGNMENT == 0
     again = _reduction.rebuild_ndarray(owner, *args)
     np.testing.assert_array_equal(again, a)
     # Memory in a segment is named, not copied: a view of it, in a new message.
     view = again[5:]
-    owner2, name2, args2 = _C.Message().place(view)
-    assert name2 == name and args2[0] == args[0] + 5 * 8
-    # A torch tensor's own memory is handed back to the policy.
+    kind2, owner2, name2, args2 = _C.testing.place(view)
+    assert kind2 == "segment" and name2 == name and args2[0] == args[0] + 5 * 8
+    # A torch tensor's own memory: tagged, for the policy's one question.
     import torch
 
     t = torch.arange(10_000, dtype=torch.float64)
-    tensor, none, offset = _C.Message().place(t.numpy()[3:])
-    assert tensor.data_ptr() == t.data_ptr() and none is None and offset == 24
+    kind3, tensor, offset = _C.testing.place(t.numpy()[3:])
+    assert kind3 == "torch_owned"
+    assert tensor.data_ptr() == t.data_ptr() and offset == 24
 
 
 def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):

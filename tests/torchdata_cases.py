@@ -92,7 +92,9 @@ def check(received):
 def worker_hook():
     """torchshm's worker hook for this torchdata's signature."""
     return (
-        torchshm.torchdata.worker_init_fn if NEW_SIGNATURE else torchshm.worker_init_fn
+        torchshm.torchdata.register_in_worker
+        if NEW_SIGNATURE
+        else torchshm.worker_init_fn
     )
 
 
@@ -130,7 +132,7 @@ def test_reading_service_allocating_datapipe(ctx, no_leaks):
     from torchdata.datapipes.iter import IterableWrapper
 
     pipe = IterableWrapper(range(N)).sharding_filter().map(ac.born_sample)
-    got = run(torchshm.torchdata.allocating(pipe), service(ctx))
+    got = run(torchshm.torchdata.with_allocator(pipe), service(ctx))
     assert sorted(i for i, _, _ in got) == list(range(N))
     assert all(born and (a == i).all() for i, a, born in got)
 
@@ -154,7 +156,7 @@ def test_reading_service_datapipe_worker_init_fn_chains_and_returns_the_datapipe
     from torchdata.datapipes.iter import IterableWrapper
 
     pipe = pipeline()
-    assert torchshm.torchdata.worker_init_fn(pipe, None) is pipe
+    assert torchshm.torchdata.register_in_worker(pipe, None) is pipe
     calls = []
 
     def user_init(datapipe, worker_info):
@@ -202,7 +204,7 @@ SCRIPT = textwrap.dedent(
                 params = inspect.signature(
                     dataloader2.MultiProcessingReadingService).parameters
                 kwargs["worker_init_fn"] = (
-                    torchshm.torchdata.worker_init_fn
+                    torchshm.torchdata.register_in_worker
                     if "worker_prefetch_cnt" in params
                     else torchshm.worker_init_fn)
             rs = dataloader2.MultiProcessingReadingService(

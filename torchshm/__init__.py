@@ -9,11 +9,9 @@ registering.
 
 import torch  # noqa: F401  - loads libtorch before the extension
 
-from torchshm._compat import load_native
-
-_C = load_native()
-
-from torchshm import _config  # noqa: E402
+from torchshm._native import _C  # noqa: F401  - the seam (Note [The seam])
+from torchshm import _allocator, _channel, _config, _native  # noqa: E402
+from torchshm import _reduction, _segments, _sender  # noqa: E402
 from torchshm._allocator import allocating, set_allocator  # noqa: E402
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
 from torchshm._dataloader import (  # noqa: E402
@@ -68,7 +66,8 @@ __all__ = [
 # at the user's line that uses the old name).
 _MOVED = {
     "datapipe_worker_init_fn": (
-        "torchshm.torchdata.worker_init_fn, or torchshm.chain(fn) to chain yours",
+        "torchshm.torchdata.register_in_worker, or torchshm.chain(fn) to chain"
+        " yours",
         lambda: _deprecated_datapipe_worker_init_fn,
     ),
     "in_workers": ("torchshm.torchdata.in_workers", lambda: torchdata.in_workers),
@@ -93,8 +92,30 @@ def _deprecated_datapipe_worker_init_fn(datapipe_or_fn, worker_info=None):
     """0.1's datapipe_worker_init_fn: a hook, or (given a function) a chain."""
     if worker_info is None and callable(datapipe_or_fn):
         return chain(datapipe_or_fn)
-    return torchdata.worker_init_fn(datapipe_or_fn, worker_info)
+    return torchdata.register_in_worker(datapipe_or_fn, worker_info)
 
 
+def _configure_native():
+    """Note [The seam] (_native.py): the native side gets every number and
+    every hook here, once, after every module is imported."""
+    _native.configure(
+        policy=_sender.policy(),
+        hooks=dict(
+            reduce_other=_sender.reduce_other,
+            reduce_torch_owned=_sender.reduce_torch_owned,
+            fall_back=_sender.fall_back,
+            allocate=_sender.allocate,
+            attach_segment=_reduction.attach_segment,
+            born_source=_allocator.source,
+        ),
+        writers=_channel.WRITERS,
+        max_depth=_channel.MAX_DEPTH,
+        pool=_segments.sender_pool().native,
+    )
+    _config.on_threshold_change(_native.set_threshold)
+    _channel.install()
+
+
+_configure_native()
 if not _config.registration_disabled():
     register()

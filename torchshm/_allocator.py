@@ -14,9 +14,7 @@ from typing import Iterator, Optional
 from torch.utils.data import IterDataPipe
 
 from torchshm import _config, _fallback, _segments, _stats
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 
 @contextlib.contextmanager
@@ -83,8 +81,9 @@ def _handler(min_bytes):
     return _C.make_born_handler(min_bytes, _C.current_numpy_handler())
 
 
-def _source(nbytes):
-    """Called by the handler: (segment tensor, reused) for a block of nbytes,
+def source(nbytes):
+    """The born handler's hook (Note [Born shared] in csrc/allocator.h):
+    (segment tensor, reused) for a block of nbytes,
     or None to let NumPy allocate it. Never raises: an exception here would
     surface in whatever NumPy call allocated."""
     if nbytes > _segments.MAX_SEGMENT_BYTES:
@@ -101,6 +100,3 @@ def _source(nbytes):
         return None
     _stats.add("allocations_shared")
     return block
-
-
-_C.set_born_source(_source)

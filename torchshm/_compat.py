@@ -41,14 +41,10 @@ def _mismatch_message(built, cause=""):
     )
 
 
-def load_native():
-    """Imports torchshm._C, or raises an ImportError naming both versions."""
-    built = _build_info()
-    try:
-        from torchshm import _C
-    except ImportError as exc:
-        raise ImportError(_mismatch_message(built, f" ({exc})")) from exc
-    built = {"torch": _C.built_with_torch, "numpy": _C.built_with_numpy}
+def check_native(native):
+    """Raises an ImportError naming both versions unless the native module
+    `native` was built for this process's torch and numpy."""
+    built = {"torch": native.built_with_torch, "numpy": native.built_with_numpy}
     if _major_minor(built["torch"]) != TORCH_VERSION or (
         # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
         _major_minor(built["numpy"])[0]
@@ -56,7 +52,11 @@ def load_native():
         <= NUMPY_VERSION[0]
     ):
         raise ImportError(_mismatch_message(built))
-    return _C
+
+
+def native_import_error(exc):
+    """The ImportError for a native module that failed to import at all."""
+    return ImportError(_mismatch_message(_build_info(), f" ({exc})"))
 
 
 def untyped_storage(tensor):

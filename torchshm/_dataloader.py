@@ -24,11 +24,9 @@ import numpy as np
 from torch.utils.data import IterDataPipe
 
 from torchshm import _allocator, _config, _fallback, _registry, _segments
-from torchshm._compat import load_native
+from torchshm._native import _C
 
 T = TypeVar("T")
-
-_C = load_native()
 
 # Every stacked array starts on a cache-line boundary of the batch segment.
 _ALIGN = 64
@@ -58,7 +56,7 @@ def chain(fn: Callable[..., T], *, allocate: bool = False) -> Callable[..., T]:
     of a process pool that has no other hook (torchdata.nodes.ParallelMapper,
     Pool.map). With `allocate=True` it also turns on born-shared allocation
     in the calling thread first (torchshm.set_allocator(True)), and in the
-    thread that iterates a datapipe `fn` returns (torchdata.allocating): the
+    thread that iterates a datapipe `fn` returns (torchdata.with_allocator): the
     arrays the worker makes are then sent without a copy."""
     return RegisterThenCall(fn, "torchshm.chain", allocate)
 

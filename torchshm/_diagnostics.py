@@ -137,7 +137,7 @@ def round_trip(nbytes=ROUND_TRIP_BYTES):
 
 def report(check=True):
     """Everything `python -m torchshm` prints, as a dict."""
-    from torchshm import _C
+    from torchshm._native import _C
 
     info = {
         "torchshm": torchshm.__version__,

@@ -17,9 +17,7 @@ import threading
 import warnings
 
 from torchshm import _stats
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 # errno -> the stats()["fallbacks"] key of an expected failure.
 REASONS = {

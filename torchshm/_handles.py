@@ -38,9 +38,7 @@ from typing import Any
 import numpy as np
 
 from torchshm import _reduction, _registry, _segments, _sender, _session
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 FORMAT = 1
 _CELL_BYTES = 64 << 10  # one cell segment: 8192 handles of this process
@@ -280,7 +278,7 @@ def _fields(header, payload):
         and all(type(exporter.get(k)) is t for k, t in expected.items())
         and _int_in(exporter["pid"], 1, 2**31)
         # A process id, never a ticket (which holder_alive takes as alive).
-        and _int_in(exporter["process_id"], 1, _C.TICKET_BIT)
+        and _int_in(exporter["process_id"], 1, _C.LAYOUT["TICKET_BIT"])
     ):
         raise _malformed(
             "exporter",

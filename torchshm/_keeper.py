@@ -436,10 +436,15 @@ class Keeper:
             if header is None:
                 continue
             headers[uid] = (entry, header)
+            # A ticket being written is judged by its writer, whose pipe may
+            # not be named yet (it is, just before the write: csrc/message.h);
+            # a written one by its pipe, if it has one.
             mine = {
                 (uid, i, word): (channel, writer)
                 for i, word, channel, writer, verdict in header.slots
-                if word & TICKET_BIT and channel and verdict != _ticket_id(word)
+                if word & TICKET_BIT
+                and (channel or word & WRITING_BIT)
+                and verdict != _ticket_id(word)
             }
             if mine:
                 self.table.set_flag(index, FLAG_TICKETS)  # look again
@@ -461,7 +466,9 @@ class Keeper:
             pipes = open_pipes()
             for key, (channel, writer) in waiting.items():
                 writing = key[2] & WRITING_BIT
-                if channel not in pipes or (writing and not process_alive(writer)):
+                if (channel and channel not in pipes) or (
+                    writing and not process_alive(writer)
+                ):
                     dead.add(key)
         for uid, slot, word in dead & self.suspects:
             entry, header = headers[uid]

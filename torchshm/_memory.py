@@ -183,9 +183,9 @@ def check(nbytes):
         _seen = (when, (room - nbytes if fits else room, what, limit))
     if fits:
         return
-    from torchshm._compat import load_native
+    from torchshm._native import _C
 
-    raise load_native().SharedMemoryError(
+    raise _C.SharedMemoryError(
         errno.ENOMEM,
         f"torchshm: no room for {_size(nbytes)} of shared memory: {_size(room)}"
         f" left under {what}, which is {_size(limit)}. Give the container more"

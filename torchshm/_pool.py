@@ -13,15 +13,15 @@ lock for everything that comes through here.
 import time
 
 from torchshm import _config, _session
-from torchshm._compat import load_native
+from torchshm._native import _C
 
-_C = load_native()
-
-# Sizes round up to a multiple of 1/8 of the next power of two: a class is
-# less than 25% larger than what was asked (just above a power of two; less
-# near the next one), and arrays of similar size share it. A take accepts a
-# class up to 25% larger than the one wanted, so a pooled segment may hold
-# up to about 56% more memory than the array it carries.
+# Sizes round up to a multiple of 1/8 of the next power of two, and of 64 KiB
+# (a segment's pages are mapped whole; smaller steps would only multiply
+# classes): from 512 KiB up a class is less than 25% larger than what was
+# asked, below that the 64 KiB step dominates (65 KiB gets 128 KiB, 129 KiB
+# 192 KiB), and arrays of similar size share it. A take accepts a class up to
+# 25% larger than the one wanted, so a pooled segment of 512 KiB or more may
+# hold up to about 56% more memory than the array it carries.
 _CLASSES = dict(min_class=64 << 10, steps=8, max_waste=1.25)
 # Expired segments, and busy ones whose holders died, are looked for at most
 # this often: the scan is O(pool) and must stay off the per-message path.

@@ -1,28 +1,31 @@
 """The wire format: what a pickled array names, and how it is rebuilt.
 
 The rebuild functions' module and names, and their arguments, are in every
-pickle torchshm ever wrote: never rename or move them. The policy that
-decides what to send is in _sender.py; a message's state, and the segment
-references it writes, are native (csrc/message.h, Note [One message, one
-snapshot]), and are handed these functions by configure_wire below.
+pickle torchshm ever wrote: never rename or move them (tests/test_wire_format.py
+loads messages that earlier versions wrote). The hot ones are native (Note
+[One message, one snapshot] in csrc/message.h), made under exactly these
+names, so that pickle names them here. The policy that decides what to send is
+in _sender.py; a message's state, and the segment references it writes, are
+native too.
 """
 
 from typing import Any, Optional, Tuple
 
 import torch
 
-from torchshm import _channel, _segments
-from torchshm._compat import int8_tensor_over, load_native
+from torchshm import _segments
+from torchshm._compat import int8_tensor_over
+from torchshm._native import _C
 
-_C = load_native()
-
-
-def rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
-    """Rebuilds an array over `owner`, the int8 tensor of its segment.
-
-    `dtype` is a dtype or its .str; `subtype` None means a plain ndarray."""
-    array = _C.receive_ndarray(owner, offset, dtype, shape, strides, writeable)
-    return array if subtype is None else array.view(subtype)
+# rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
+# an array over `owner`, the int8 tensor of its segment; `dtype` is a dtype
+# or its .str, `subtype` None for a plain ndarray.
+rebuild_ndarray = _C.rebuild_ndarray
+# rebuild_inline(token, reconstruct, args, state): an array pickled by value
+# (numpy's own reduce) after its message's token.
+rebuild_inline = _C.rebuild_inline
+# message_token(): what a message's token unpickles as (None).
+message_token = _C.message_token
 
 
 def rebuild_ndarray_from_storage(storage, *view):
@@ -40,35 +43,10 @@ def rebuild_empty(*view):
     return rebuild_ndarray(torch.empty(0, dtype=torch.int8), *view)
 
 
-def rebuild_inline(token, reconstruct, args, state):
-    """Rebuilds an array pickled by value (numpy's own reduce, plus a token)."""
-    array = reconstruct(*args)
-    array.__setstate__(state)
-    return array
-
-
-def message_token():
-    """Unpickles a _MessageToken: it carries nothing."""
-    return None
-
-
 def attach_segment(locator, ticket=0, generation=0):
     """Unpickles a SegmentRef (csrc/message.h): maps the segment and claims
     the message's ticket (once per message; see Note [Segment lifetime])."""
     return _segments.attach(locator, ticket, generation)
-
-
-class _MessageToken:
-    """Keeps a message's state alive through arrays pickled inline (the
-    pickler's memo holds it, as it holds SegmentRefs)."""
-
-    __slots__ = ("message", "__weakref__")
-
-    def __init__(self, message):
-        self.message = message
-
-    def __reduce__(self):
-        return message_token, ()
 
 
 def reference_without_ticket(obj: Any) -> Optional[Tuple[Any, Any]]:
@@ -80,11 +58,3 @@ def reference_without_ticket(obj: Any) -> Optional[Tuple[Any, Any]]:
         return None
     segment = _C.segment_of(obj.owner)
     return obj.owner, (attach_segment, (segment.locator, 0, segment.generation))
-
-
-_C.configure_wire(
-    rebuild_ndarray=rebuild_ndarray,
-    attach_segment=attach_segment,
-    message_token=_MessageToken,
-)
-_channel.configure()

@@ -18,13 +18,10 @@ import select
 import sys
 import threading
 import time
-import weakref
 from multiprocessing import util
 
 from torchshm import _config, _keeper, _memory, _pool, _session, _stats
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 # A segment is never larger than this (a size class of anything larger
 # would overflow; no machine has the memory anyway).
@@ -37,16 +34,18 @@ CREATOR_FD_SHARE = 0.25
 _lock = threading.RLock()
 _pool_segments = _pool.Pool()
 _exiting = False  # set by the exit finalizer: no thread may start after it
-# name -> weak ref to this process's live view tensor: a segment arriving again
-# reuses it, so arrays over it stay aliased (torch's shared_cache does the same).
-_live = {}
+# This process's live view of each segment, by name (Note [Live views] in
+# csrc/live.h): the sender's plan records the pooled segments it takes there
+# too, without entering Python.
+_live = _C.live
 # Mappings without live views, kept for reuse: name -> Segment, oldest first.
 _idle_mappings = collections.OrderedDict()
 _idle_bytes = 0
-_live_prune_at = 64  # _live is pruned when it grows past this (see _remember)
-# The sender's plan takes pooled segments itself while the pool is armed
-# (Note [Segment pool] in csrc/pool.h), and records their views in _live.
-_C.configure_sender_pool(pool=_pool_segments.native, live=_live)
+
+
+def sender_pool():
+    """This process's pool of segments (_pool.Pool)."""
+    return _pool_segments
 
 
 def allocate(nbytes):
@@ -72,7 +71,7 @@ def allocate_block(nbytes):
         else:
             pooled = True
             _stats.add("segments_reused")
-        _remember(name_of(owner), owner)
+        _live.remember(name_of(owner), owner)
         if pooled:
             _expiry.ensure()
     return owner, not fresh
@@ -90,7 +89,7 @@ def attach(locator, ticket, generation):
     me = _C.process_id()
     with _lock:
         _expiry.resume()
-        owner = _live_owner(name)
+        owner = _live.get(name)
         if owner is not None:
             # This process holds the segment already: the ticket is spare.
             segment = _C.segment_of(owner)
@@ -117,7 +116,7 @@ def attach(locator, ticket, generation):
                 segment.release_slot(slot, me)
                 raise
         owner = segment.tensor(slot, me)
-        _remember(name, owner, _on_last_view(name, segment, slot))
+        _live.remember(name, owner, _on_last_view(name, segment, slot))
         return owner
 
 
@@ -187,11 +186,6 @@ def _check_generation(segment, generation):
         )
 
 
-def _live_owner(name):
-    ref = _live.get(name)
-    return ref() if ref is not None else None
-
-
 def name_of(tensor):
     """The segment behind a tensor, or None if it is not torchshm memory."""
     segment = _C.segment_of(tensor)
@@ -205,7 +199,7 @@ def trim() -> int:
     with _lock:
         freed = _pool_segments.release_idle()
         _drop_idle_mappings(0)
-        _prune_live()
+        _live.prune()
     _session.close_released()
     return freed
 
@@ -217,10 +211,8 @@ def disown_all():
     release them (a dead process's slots are freed by whoever meets them, but
     an orderly exit should not leave that work behind)."""
     with _lock:
-        owners = [ref() for ref in _live.values()]
-        for owner in owners:
-            if owner is not None:
-                _C.disown(owner)
+        for owner in _live.owners():
+            _C.disown(owner)
         _pool_segments.release_all()
 
 
@@ -243,18 +235,6 @@ def _fd_limit():
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _remember(name, owner, callback=None):
-    """Records this process's live view of a segment. Entries whose view died
-    are dropped when the table has doubled since the last pass, so that it
-    stays within twice the live views (a sender that does not pool makes a
-    segment per message)."""
-    global _live_prune_at
-    _live[name] = weakref.ref(owner, callback)
-    if len(_live) > _live_prune_at:
-        _prune_live()
-        _live_prune_at = max(64, 2 * len(_live))
-
-
 def _on_last_view(name, segment, slot):
     """When a received segment's last view dies, keep its mapping for reuse,
     unless nobody else holds it: then the view's release (which runs right
@@ -268,8 +248,7 @@ def _on_last_view(name, segment, slot):
         if _exiting or sys.is_finalizing():
             return
         with _lock:
-            if _live.get(name) is not None and _live[name]() is None:
-                del _live[name]
+            _live.forget_if_dead(name)
             if (
                 not segment.unlinked
                 and name not in _idle_mappings
@@ -306,11 +285,6 @@ def _drop_idle_mappings(limit):
             _idle_bytes -= _idle_mappings.pop(name).capacity
     while _idle_bytes > limit and _idle_mappings:
         _idle_bytes -= _idle_mappings.popitem(last=False)[1].capacity
-
-
-def _prune_live():
-    for name in [n for n, r in _live.items() if r() is None]:
-        del _live[name]
 
 
 # Note [Expiry timer]
@@ -476,7 +450,7 @@ def _before_fork():
     _lock_with_timer_halted()
     try:
         _C.wait_threads_gone()
-        live = [o for o in (ref() for ref in _live.values()) if o is not None]
+        live = _live.owners()
         if not live:
             return
         child = _C.prepare_child()
@@ -506,17 +480,15 @@ def _after_fork_in_child():
     _C.after_fork_in_child()
     _C.forget_written_tickets()  # the parent's messages, not ours
     _session.after_fork_in_child()
-    adopted = {}
+    # A view without a slot of this process's own protects nothing here: a
+    # segment arriving again must be attached anew.
+    _live.clear()
     if _for_child:
         me = _C.process_id()
         for owner, slot in _for_child:
             _C.adopt(owner, slot, me)
-            adopted[_C.segment_of(owner).name] = weakref.ref(owner)
+            _live.remember(_C.segment_of(owner).name, owner)
         _for_child.clear()
-    # A view without a slot of this process's own protects nothing here: a
-    # segment arriving again must be attached anew.
-    _live.clear()
-    _live.update(adopted)
     _pool_segments.forget()
     _idle_mappings.clear()
     _idle_bytes = 0

@@ -1,14 +1,16 @@
 """The sender's policy: which ndarrays go through shared memory, and what
 happens when one cannot.
 
-The registered ForkingPickler reducer is native (`REDUCER`,
-csrc/message.cpp): below min(threshold, PACK_MIN) it returns numpy's own
-reduce, and from the threshold up it shares the array through the thread's
-message, both without entering Python. Every other array (packed, empty,
-object dtype, over torch memory) comes to `reduce_ndarray` here, and so does
-every failure, to `fall_back`. Object arrays of strings are packed into one
-buffer (Note [String columns] in _strings.py). The numbers below, and the threshold, are
-pushed into the native side by `configure()` whenever they change.
+The registered ForkingPickler reducer is native (`REDUCER`, Note [One
+message, one snapshot] in csrc/message.h): it decides by size and places
+every array of at least min(threshold, PACK_MIN) bytes without entering
+Python. It asks Python three things, at most one per array, through the hooks
+below (Note [The seam] in _native.py): how to reduce an object or empty array
+(`reduce_other`), whether torch's own sharing may carry memory a torch tensor
+owns (`reduce_torch_owned`), and what to do after a failure (`fall_back`).
+Object arrays of strings are packed into one buffer (Note [String columns]
+in _strings.py). The numbers below are handed to the native side once, at
+import, by torchshm/__init__.py.
 """
 
 from multiprocessing.reduction import ForkingPickler
@@ -18,14 +20,9 @@ import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
 from torchshm import _config, _fallback, _segments, _stats, _strings
-from torchshm._compat import load_native, untyped_storage
-from torchshm._reduction import (
-    rebuild_empty,
-    rebuild_inline,
-    rebuild_ndarray_from_reduced_storage,
-)
-
-_C = load_native()
+from torchshm._compat import untyped_storage
+from torchshm._native import _C
+from torchshm._reduction import rebuild_empty, rebuild_ndarray_from_reduced_storage
 
 # Subclasses torchshm rebuilds itself; every other subclass pickles as it would.
 SUBCLASSES = (np.memmap, np.recarray)
@@ -46,11 +43,21 @@ CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
 
 
-def reduce_ndarray(array):
-    """ForkingPickler reducer for what the native one leaves. Never raises:
-    any failure pickles by value (see fall_back)."""
+def reduce_other(array):
+    """The native reducer's hook for object and empty arrays (and anything
+    else it is handed that is not an ndarray). Never raises: any failure
+    pickles by value (see fall_back)."""
     try:
-        return _reduce_through_shared_memory(array) or array.__reduce__()
+        if array.dtype.hasobject:
+            packed = _strings.reduce_str_array(array)
+            if packed is None:
+                _stats.fallback("object dtype")
+                return array.__reduce__()
+            return packed
+        if isinstance(array, np.ndarray) and array.size == 0:
+            _stats.add("arrays_inline")
+            return rebuild_empty, _C.view_args(array, 0)
+        return array.__reduce__()  # not an ndarray (a numpy scalar)
     except Exception as exc:  # noqa: BLE001 - raising here loses the message
         return fall_back(array, exc)
 
@@ -63,27 +70,42 @@ def fall_back(array, exc):
     return array.__reduce__()
 
 
+def reduce_torch_owned(tensor, view):
+    """The native reducer's one question about an array over memory that the
+    torch tensor `tensor` owns and torchshm did not make: torch's own storage
+    reduce, or None to copy it into shared memory like any other array.
+    `view` is the array's rebuild arguments after the owner.
+
+    Under file_descriptor (torch's default) the receiver fetches an fd from
+    the live sender, and keeps it open: a sender that exits before the
+    receiver unpickles loses the message, and a consumer under a low
+    `ulimit -n` runs out. Only file_system has neither flaw. A failure here
+    reaches fall_back through the native reducer."""
+    storage = untyped_storage(tensor)
+    if not (storage.is_shared() and sharing_strategy() == "file_system"):
+        return None
+    rebuild_storage, storage_args = ForkingPickler._extra_reducers[type(storage)](
+        storage
+    )
+    return rebuild_ndarray_from_reduced_storage, (rebuild_storage, storage_args) + view
+
+
 # The reducer registered with ForkingPickler (see the module's docstring).
 REDUCER = _C.reduce_ndarray
 
 
-def _allocate(nbytes):
-    # Looked up at each call, so that the pool and budget policy stays
-    # _segments.allocate's (and a test may replace it).
+def allocate(nbytes):
+    """The native plan's hook for a segment the pool could not give it.
+    Looked up at each call, so that the pool and budget policy stays
+    _segments.allocate's (and a test may replace it)."""
     return _segments.allocate(nbytes)
 
 
-def configure(threshold=None):
-    """Pushes the policy numbers into the native sender (at import, and by
-    _config whenever the threshold changes)."""
-    if threshold is None:
-        threshold = _config.get_threshold()
-    _C.configure_sender(
-        policy_reducer=reduce_ndarray,
-        fall_back=fall_back,
-        allocate=_allocate,
-        inline_below=min(threshold, PACK_MIN),
-        threshold=threshold,
+def policy():
+    """The numbers the native sender works by (Note [The seam])."""
+    return dict(
+        threshold=_config.get_threshold(),
+        pack_min=PACK_MIN,
         sparse_ratio=SPARSE_RATIO,
         pack_limit=PACK_LIMIT,
         chunk_start=CHUNK_START,
@@ -99,65 +121,3 @@ def is_shared(array: Any) -> bool:
     return owner is not None and (
         _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()
     )
-
-
-def _reduce_through_shared_memory(array):
-    if array.dtype.hasobject:
-        packed = _strings.reduce_str_array(array)
-        if packed is None:
-            _stats.fallback("object dtype")
-        return packed
-    if array.size == 0:
-        _stats.add("arrays_inline")
-        return rebuild_empty, _C.view_args(array, 0)
-    threshold = _config.get_threshold()
-    if array.nbytes < threshold:
-        return _reduce_small(array, threshold)
-    return _share(array, _C.current_message())
-
-
-def _reduce_small(array, threshold):
-    """Inline, until the message carried a threshold's worth of such arrays."""
-    if array.nbytes < PACK_MIN:
-        _stats.add("arrays_inline")
-        return None
-    message = _C.current_message()
-    if message.small_bytes >= threshold:
-        return _share(array, message)
-    message.small_bytes += array.nbytes
-    _stats.add("arrays_inline")
-    return (rebuild_inline, (message.token(),) + array.__reduce__())
-
-
-def _share(array, message):
-    """By reference if the memory is shared already, else a snapshot (the
-    native plan decides which, and copies)."""
-    return message.share(array) or _over_torch_storage(array, message)
-
-
-def _over_torch_storage(array, message):
-    """An array over a torch tensor's memory that torchshm did not make.
-
-    Under file_descriptor (torch's default) the receiver fetches an fd from
-    the live sender, and keeps it open: a sender that exits before the
-    receiver unpickles loses the message, and a consumer under a low
-    `ulimit -n` runs out. Only file_system has neither flaw; otherwise the
-    array is snapshotted like any other."""
-    tensor, _, offset = message.place(array)
-    storage = untyped_storage(tensor)
-    if storage.is_shared() and sharing_strategy() == "file_system":
-        # torch's own storage reducer, called here so that its failures stay
-        # inside reduce_ndarray's guard.
-        rebuild_storage, storage_args = ForkingPickler._extra_reducers[type(storage)](
-            storage
-        )
-        _stats.add("arrays_resent")
-        return rebuild_ndarray_from_reduced_storage, (
-            rebuild_storage,
-            storage_args,
-        ) + _C.view_args(array, offset)
-    return message.share(array, copy=True)
-
-
-configure()
-_config.on_threshold_change(configure)

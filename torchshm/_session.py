@@ -26,9 +26,7 @@ import sys
 import threading
 
 from torchshm import _keeper
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
 _lock = threading.RLock()  # joining, and every request on the connection

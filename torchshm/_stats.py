@@ -9,9 +9,7 @@ import os
 import threading
 from typing import Any, Dict
 
-from torchshm._compat import load_native
-
-_C = load_native()
+from torchshm._native import _C
 
 COUNTERS = (
     "arrays_shared",  # copied into a fresh segment

@@ -6,8 +6,8 @@ work with torchdata 0.5 to 0.11 (and torch's own datapipes).
 
 - `MultiProcessingReadingService` 0.6-0.9 takes
   `worker_init_fn(datapipe, worker_info) -> datapipe`: pass
-  `torchshm.torchdata.worker_init_fn`, or `torchshm.chain(your_fn)` to run
-  your own after registering.
+  `torchshm.torchdata.register_in_worker`, or `torchshm.chain(your_fn)` to
+  run your own after registering.
 - 0.5's `MultiProcessingReadingService` is the classic DataLoader: pass
   `torchshm.worker_init_fn`. 0.5's `PrototypeMultiProcessingReadingService`
   has no worker hook: `torchshm.torchdata.in_workers(datapipe)` makes the
@@ -21,12 +21,18 @@ work with torchdata 0.5 to 0.11 (and torch's own datapipes).
 
 Born-shared allocation (torchshm.allocating) is local to a thread, and
 0.6-0.9 workers iterate their datapipe in a prefetch thread, not in the
-thread that ran the hook: `allocating(datapipe)` turns it on in whichever
-thread iterates, and `torchshm.chain(hook, allocate=True)` applies it to the
-datapipe its hook returns. For ParallelMapper, `torchshm.chain(your_fn,
+thread that ran the hook: `with_allocator(datapipe)` turns it on in
+whichever thread iterates, and `torchshm.chain(hook, allocate=True)` applies
+it to the datapipe its hook returns.
+
+Names of 0.2 that clashed with `torchshm.allocating` (a context manager) and
+`torchshm.worker_init_fn` (a DataLoader's hook) but took other arguments,
+`allocating` and `worker_init_fn`, still work for one release, with a
+DeprecationWarning naming the new one. For ParallelMapper, `torchshm.chain(your_fn,
 allocate=True)` turns it on in the thread that maps.
 """
 
+import warnings
 from typing import Any, Optional, TypeVar
 
 from torchshm import _allocator, _registry, _share
@@ -34,17 +40,17 @@ from torchshm._dataloader import _register_in_worker
 
 T = TypeVar("T")
 
-__all__ = ["allocating", "in_workers", "to_shared", "worker_init_fn"]
+__all__ = ["in_workers", "register_in_worker", "to_shared", "with_allocator"]
 
 
-def allocating(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
+def with_allocator(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
     """An IterDataPipe whose items are made with the allocator on in the
     thread that iterates it (a worker's prefetch thread included): arrays the
     pipeline makes there are born shared and sent without a copy."""
     return _allocator.AllocatingIterDataPipe(datapipe, min_bytes)
 
 
-def worker_init_fn(datapipe: T, worker_info: Any = None) -> T:
+def register_in_worker(datapipe: T, worker_info: Any = None) -> T:
     """torchdata 0.6-0.9 `worker_init_fn(datapipe, worker_info)`: registers
     torchshm's reducers in the worker and returns the datapipe unchanged."""
     _register_in_worker()
@@ -75,3 +81,20 @@ def in_workers(datapipe: Any) -> Any:
     torchshm: for reading services without a worker hook, such as torchdata
     0.5's PrototypeMultiProcessingReadingService."""
     return datapipe.map(_registered)
+
+
+# The clashing names of 0.2 (see the module's docstring), for one release.
+_RENAMED = {"allocating": "with_allocator", "worker_init_fn": "register_in_worker"}
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"torchshm.torchdata.{name} is deprecated: use"
+            f" torchshm.torchdata.{new} (torchshm.{name} is another function)",
+            DeprecationWarning,
+            2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module 'torchshm.torchdata' has no attribute {name!r}")

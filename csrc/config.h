@@ -1,0 +1,86 @@
+// What Python hands the native side, once: every policy number and every
+// Python hook (Note [The seam] in torchshm/_native.py).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+namespace torchshm {
+
+class SegmentPool;
+
+// The sender's numbers (torchshm/_sender.py and _config.py say why each is
+// what it is). No member has a default: configure() sets every one.
+struct SenderPolicy {
+  // Arrays from this many bytes up are shared; below, pickled inline until
+  // their message carried this many bytes of arrays of at least pack_min.
+  int64_t threshold;
+  int64_t pack_min;
+  // A view spanning more than this many times its bytes is compacted.
+  int64_t sparse_ratio;
+  // Copies from pack_limit up get a segment of their own; smaller ones share
+  // the message's chunk, which grows from chunk_start to chunk_max.
+  int64_t pack_limit;
+  int64_t chunk_start;
+  int64_t chunk_max;
+  int64_t alignment;
+  int copy_threads;
+
+  // Below this the native reducer returns numpy's own reduce.
+  int64_t inline_below() const { return std::min(threshold, pack_min); }
+};
+
+// Python's side of the mechanism: the only Python the native code calls
+// (strong references, never released: the policy lives as long as the
+// interpreter, and a reducer may run during its shutdown).
+struct Hooks {
+  // (array) -> reduce value, for every array the native reducer leaves:
+  // object dtype, empty. Never raises.
+  PyObject* reduce_other;
+  // (tensor, view args) -> reduce value, or None to copy: the one question
+  // about memory a torch tensor owns that torchshm did not make.
+  PyObject* reduce_torch_owned;
+  // (array, exception) -> numpy's reduce, with the one warning.
+  PyObject* fall_back;
+  // nbytes -> segment tensor, when the pool has none idle or is not armed.
+  PyObject* allocate;
+  // (locator, ticket, generation) -> the segment's tensor (the wire's
+  // rebuild of a SegmentRef).
+  PyObject* attach_segment;
+  // nbytes -> (segment tensor, reused) or None: born-shared memory.
+  PyObject* born_source;
+  // Code objects of the frames that write a pickled message to a
+  // Connection (torchshm/_channel.py), and how far up to look for one.
+  PyObject* writers;
+  int max_depth;
+  // The sender's pool (pool.h), taken from without entering Python.
+  std::shared_ptr<SegmentPool> pool;
+};
+
+struct Config {
+  SenderPolicy policy;
+  Hooks hooks;
+};
+
+// Sets everything, once; a second call is an error (import configures).
+void configure(const Config& config);
+// The one number that changes at run time (torchshm.set_threshold).
+void set_threshold(int64_t threshold);
+bool configured();
+// The configuration; throws (a reducer then falls back) if there is none.
+const Config& config();
+
+// Calls a hook: every call from C++ into torchshm's Python goes through here
+// and is counted (the crossings micro-benchmark reads the count). Returns a
+// new reference, or nullptr with the Python error set.
+PyObject* call_hook(PyObject* hook, PyObject* arg);
+PyObject* call_hook(PyObject* hook, PyObject* arg1, PyObject* arg2);
+PyObject* call_hook(PyObject* hook, PyObject* arg1, PyObject* arg2,
+                    PyObject* arg3);
+int64_t hook_calls();
+void reset_hook_calls();
+
+}  // namespace torchshm
