@@ -63,3 +63,36 @@ def test_the_import_graph_of_torchshm_has_no_cycle():
     graph = import_graph()
     assert "torchshm._dataloader" in graph and graph["torchshm.torchdata"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def native_importers():
+    """Modules of torchshm/ that import the native extension itself (not
+    through the seam, torchshm._native)."""
+    found = set()
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "torchshm":
+                if any(alias.name == "_C" for alias in node.names):
+                    found.add(path.stem)
+            elif isinstance(node, ast.ImportFrom) and node.module == "torchshm._C":
+                found.add(path.stem)
+            elif isinstance(node, ast.Import):
+                if any(a.name == "torchshm._C" for a in node.names):
+                    found.add(path.stem)
+    return found
+
+
+def test_exactly_one_module_imports_the_native_extension():
+    # Note [The seam] in torchshm/_native.py.
+    assert native_importers() == {"_native"}
+
+
+def test_the_native_stub_is_generated_from_the_native_module():
+    import subprocess
+    import sys
+
+    script = PACKAGE.parent / "scripts" / "stubgen.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
