@@ -44,7 +44,7 @@ void set_lock_session(const std::string& session);
 // memory. Thread-safe.
 bool holder_alive(uint64_t holder);
 
-// Fork support (Note [Fork] in torchshm/_segments.py). Before fork the parent
+// Fork support (Note [Fork] in torchshm/_lifecycle.py). Before fork the parent
 // creates the child's id and lock; the child inherits the locked descriptor,
 // so the lock dies with the child whether it execs (the descriptor is
 // close-on-exec) or not. After fork the parent closes its copy; the child

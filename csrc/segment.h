@@ -259,7 +259,7 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
 // The view behind a tensor's storage, or nullptr if it is not one of ours.
 View* view_of(const at::Tensor& tensor);
 
-// The expiry timer of torchshm/_segments.py sleeps without a deadline while
+// The expiry timer of torchshm/_expiry.py sleeps without a deadline while
 // every pooled segment has a local view (none can expire). Armed with a pipe
 // fd, the next pooled segment whose last local view dies writes one byte to
 // it and disarms it: one wake-up per such sleep, no syscall per message

@@ -6,7 +6,7 @@ deadlocks in the child" when a process forks with more than one OS thread
 are the ones that split a large copy into shared memory (csrc/ndarray.cpp)
 or populate a fresh segment (csrc/segment.cpp), joined before the send
 returns, and the expiry timer that gives idle memory back
-(torchshm/_segments.py), which torchshm's own before-fork hook stops and the
+(torchshm/_expiry.py), which torchshm's own before-fork hook stops and the
 next send or receive restarts (not the after-fork hook: Python 3.13 counts
 threads after those hooks). A joined thread is still listed for a moment
 (pthread_join and Thread.join return before the task leaves the thread
@@ -130,15 +130,15 @@ BOUND = textwrap.dedent(
     """
     import json, numpy as np, torchshm
     from multiprocessing.reduction import ForkingPickler
-    from torchshm import _C, _segments
+    from torchshm import _C, _expiry
 
     received = ForkingPickler.loads(ForkingPickler.dumps(np.arange(100_000)))
     # The expiry timer runs (there is a pooled segment to watch): a wait for
     # torchshm's threads reaches its bound, and says so.
-    running = _segments._expiry._thread is not None
+    running = _expiry.timer.running()
     timed_out = not _C.wait_threads_gone(0.05)
     counted = torchshm.stats()["fork_waits_timed_out"]
-    _segments._expiry.halt()
+    _expiry.timer.halt()
     print(json.dumps([running, timed_out, counted, _C.wait_threads_gone(10.0)]))
     """
 )

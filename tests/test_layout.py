@@ -68,7 +68,7 @@ def test_the_native_sender_works_by_the_python_policy():
     from torchshm import _sender
 
     assert _C.testing.sender_policy() == _sender.policy()
-    pool = torchshm._segments.sender_pool().native
+    pool = torchshm._holdings.pool.native
     classes = torchshm._pool._CLASSES
     for n in (1, classes["min_class"], 3 * classes["min_class"] + 1, 5 << 20):
         assert pool.size_class(n) == _size_class(n, **classes)

@@ -25,7 +25,7 @@ import torch
 import torchshm
 from tests import lifetime_children
 from tests.conftest import TIMEOUT
-from torchshm import _C, _fallback, _keeper, _segments, _session
+from torchshm import _C, _fallback, _holdings, _keeper, _mappings, _session
 from tests.conftest import keeper_segments, memfd_holders, session_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,11 +176,11 @@ def test_a_cached_mapping_of_a_dead_segment_is_dropped():
     del received
     gc.collect()
     # Idle: the receiver keeps the mapping for reuse ...
-    mapping = _segments._idle_mappings.get(name) or _segments._pool_segments.get(name)
+    mapping = _mappings.get(name) or _holdings.pool.get(name)
     assert mapping is not None
     mapping.unlink()  # ... until the segment dies
     torchshm.trim()
-    assert name not in _segments._idle_mappings
+    assert _mappings.get(name) is None
 
 
 def test_nested_pickling_gives_each_byte_string_its_own_ticket():
@@ -577,7 +577,7 @@ def test_a_dead_receivers_slot_does_not_block_reuse():
     os.waitpid(pid, 0)
     gc.collect()
     before = torchshm.stats()
-    _segments._pool_segments.schedule_thorough_scan()  # due once a second
+    _holdings.pool.schedule_thorough_scan()  # due once a second
     again = pickle.loads(dumps(np.full(50_000, 2.0)))
     assert (again == 2.0).all()
     assert delta(before, "segments_reused") == 1

@@ -11,7 +11,7 @@ import pytest
 
 import torchshm
 from tests.conftest import stats_delta, true_in_forked_child
-from torchshm import _C, _pool, _segments
+from torchshm import _C, _holdings, _pool, _segments
 
 KIB = 1 << 10
 
@@ -114,7 +114,7 @@ def test_steady_sends_take_pooled_segments_without_calling_allocate(monkeypatch)
     calls = []
     allocate = _segments.allocate
     monkeypatch.setattr(_segments, "allocate", lambda n: calls.append(n) or allocate(n))
-    _segments._pool_segments.enable_fast_take(True)
+    _holdings.pool.enable_fast_take(True)
     before = torchshm.stats()
     for i in range(5):
         a[:] = i
@@ -132,17 +132,17 @@ def test_bookkeeping_that_is_due_goes_through_python(monkeypatch):
     calls = []
     allocate = _segments.allocate
     monkeypatch.setattr(_segments, "allocate", lambda n: calls.append(n) or allocate(n))
-    _segments._pool_segments.schedule_thorough_scan()
+    _holdings.pool.schedule_thorough_scan()
     ForkingPickler.loads(ForkingPickler.dumps(a))
     assert len(calls) == 1  # the thorough pass ran in Python...
     ForkingPickler.loads(ForkingPickler.dumps(a))
     assert len(calls) == 1  # ...and re-armed the native take
-    _segments._pool_segments.enable_fast_take(False)  # as a stopped timer does
+    _holdings.pool.enable_fast_take(False)  # as a stopped timer does
     try:
         ForkingPickler.loads(ForkingPickler.dumps(a))
         assert len(calls) == 2
     finally:
-        _segments._pool_segments.enable_fast_take(True)
+        _holdings.pool.enable_fast_take(True)
 
 
 def test_the_pool_is_disarmed_across_fork():
@@ -150,16 +150,16 @@ def test_the_pool_is_disarmed_across_fork():
     ForkingPickler.loads(ForkingPickler.dumps(a))
 
     def disarmed_and_right():
-        native = _segments._pool_segments.native
+        native = _holdings.pool.native
         ok = native.fast_until == 0 and len(native) == 0
         return ok and (ForkingPickler.loads(ForkingPickler.dumps(a)) == a).all()
 
     assert true_in_forked_child(disarmed_and_right)
     # The parent's timer stopped for the fork: its next send re-arms through
     # Python, and keeps the data right.
-    assert _segments._pool_segments.native.fast_until == 0
+    assert _holdings.pool.native.fast_until == 0
     np.testing.assert_array_equal(ForkingPickler.loads(ForkingPickler.dumps(a)), a)
-    assert _segments._pool_segments.native.fast_until > 0
+    assert _holdings.pool.native.fast_until > 0
 
 
 def test_threads_sending_at_once_never_share_a_segment():

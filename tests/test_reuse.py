@@ -10,7 +10,7 @@ import pytest
 import torchshm
 from tests import children
 from tests.conftest import TIMEOUT, session_segments
-from torchshm import _segments
+from torchshm import _holdings
 
 
 def roundtrip(obj):
@@ -83,9 +83,9 @@ def test_pool_is_capped(monkeypatch):
     torchshm.trim()
     # Earlier tests may leave segments held by tickets of messages never
     # loaded (they live with the session): those cannot be trimmed.
-    before = _segments._pool_segments.nbytes
+    before = _holdings.pool.nbytes
     held = [roundtrip(np.zeros(300_000)) for _ in range(10)]  # 2.4 MB each
-    assert _segments._pool_segments.nbytes <= max(before, 2 << 20)
+    assert _holdings.pool.nbytes <= max(before, 2 << 20)
     assert all((h == 0).all() for h in held)
 
 
@@ -93,7 +93,7 @@ def test_idle_segments_are_released(monkeypatch):
     torchshm.trim()
     roundtrip(np.zeros(500_000))
     gc.collect()
-    pool = _segments._pool_segments.native
+    pool = _holdings.pool.native
     idle = {
         name
         for name in pool.names()
@@ -101,7 +101,7 @@ def test_idle_segments_are_released(monkeypatch):
     }
     assert idle
     monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "0")
-    _segments._pool_segments.schedule_thorough_scan()  # it runs once a second
+    _holdings.pool.schedule_thorough_scan()  # it runs once a second
     roundtrip(np.zeros(5_000_000))  # too big to reuse them; releases expired ones
     assert not idle & set(pool.names())
     assert not idle & {"/" + n for n in session_segments()}

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from torchshm import _reduction, _registry, _segments, _sender, _session
+from torchshm import _attach, _reduction, _registry, _segments, _sender, _session
 from torchshm._native import _C
 
 FORMAT = 1
@@ -252,7 +252,7 @@ def _malformed(field, expected, got):
 
 def _is_locator(text):
     try:
-        _segments.parse_locator(text)
+        _attach.parse_locator(text)
     except OSError:
         return False
     return True
@@ -306,7 +306,7 @@ def _load(header, payload):
     who = _describe(exporter)
     _session.join()
     try:
-        cell = _segments.attach(cell_name, 0, cell_generation)
+        cell = _attach.attach(cell_name, 0, cell_generation)
     except OSError as exc:
         # A live exporter drops its cells when its last handle goes, and its
         # pool may free them any time after: gone then means released.

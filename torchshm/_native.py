@@ -17,7 +17,7 @@ threshold is the one number that changes at run time (set_threshold).
 from torchshm import _compat
 
 try:
-    from torchshm import _C
+    import torchshm._C as _C
 except ImportError as exc:
     raise _compat.native_import_error(exc) from exc
 _compat.check_native(_C)

@@ -6,8 +6,8 @@ created and reuses one when no slot but its own names a live holder (see
 Note [Segment lifetime] in csrc/segment.h). The pool is capped; segments idle
 for pool_idle_seconds() are released. Only policy lives here; the index is
 native (csrc/pool.h, Note [Segment pool]), so that the sender's plan can take
-a pooled segment without entering Python. The caller (_segments.py) holds the
-lock for everything that comes through here.
+a pooled segment without entering Python. Its callers hold _holdings.lock
+for everything that comes through here.
 """
 
 import time

@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from torchshm import _segments
+from torchshm import _attach
 from torchshm._compat import int8_tensor_over
 from torchshm._native import _C
 
@@ -46,7 +46,7 @@ def rebuild_empty(*view):
 def attach_segment(locator, ticket=0, generation=0):
     """Unpickles a SegmentRef (csrc/message.h): maps the segment and claims
     the message's ticket (once per message; see Note [Segment lifetime])."""
-    return _segments.attach(locator, ticket, generation)
+    return _attach.attach(locator, ticket, generation)
 
 
 def reference_without_ticket(obj: Any) -> Optional[Tuple[Any, Any]]:

@@ -301,7 +301,7 @@ def _start_keeper(session):
 def after_fork_in_child():
     """A forked child is a member of its own: its death must be seen. It keeps
     the inherited table and connects anew (the keeper answers nothing to "j").
-    Called by _segments' fork protocol (Note [Fork]), after the child got its
+    Called by _lifecycle's fork protocol (Note [Fork]), after the child got its
     own process id."""
     global _lock, _connection
     _lock = threading.RLock()

@@ -1,0 +1,147 @@
+"""How a receiver maps the segment a message names, claiming its ticket, and
+keeps the mapping for reuse once its arrays are gone (_mappings). See Note
+[Segment lifetime] in csrc/segment.h for the holder protocol, and for where a
+receiver finds a segment's fd (_open).
+"""
+
+import errno
+import functools
+import os
+import sys
+
+from torchshm import _config, _expiry, _holdings, _keeper, _mappings, _session, _stats
+from torchshm._native import _C
+
+
+def attach(locator, ticket, generation):
+    """The int8 tensor over the segment `locator` names (Segment.locator),
+    claiming the message's ticket.
+
+    A message loaded a second time finds its ticket claimed: it takes a slot
+    of its own, valid only while the segment still holds the generation the
+    message was written in (Note [Segment lifetime] in csrc/segment.h)."""
+    _session.join()
+    name, where = parse_locator(locator)
+    me = _C.process_id()
+    with _holdings.lock:
+        _expiry.timer.resume()
+        owner = _holdings.live.get(name)
+        if owner is not None:
+            # This process holds the segment already: the ticket is spare.
+            segment = _C.segment_of(owner)
+            if ticket:
+                segment.cancel_ticket(ticket)
+            _check_generation(segment, generation)
+            return owner
+        segment = _holdings.pool.get(name) or _mappings.take(name)
+        if segment is None:
+            segment = _open(*where)
+            _stats.add("segments_attached")
+        else:
+            _stats.add("mappings_reused")
+        slot = segment.claim_ticket(ticket, me) if ticket else -1
+        if slot < 0:
+            slot = segment.take_slot(me)
+            if slot < 0:
+                # Every slot taken: hold it by the mapping alone, which a
+                # pinned segment keeps valid (Note [Segment lifetime]).
+                segment.pin()
+            try:
+                _check_generation(segment, generation)
+            except BaseException:
+                segment.release_slot(slot, me)
+                raise
+        owner = segment.tensor(slot, me)
+        _holdings.live.remember(name, owner, _on_last_view(name, segment, slot))
+        return owner
+
+
+# A pooled segment's locator comes back in every message that reuses it.
+@functools.lru_cache(maxsize=1024)
+def parse_locator(locator):
+    """(name, (session, uid, index, creator pid, creator fd)) of a
+    Segment.locator: torchshm:<session>:<uid hex>:<index>:<pid>:<fd>."""
+    try:
+        tag, session, uid, index, pid, fd = locator.split(":")
+        if tag != "torchshm" or not _keeper.valid_session(session):
+            raise ValueError(tag)
+        where = (session, int(uid, 16), int(index), int(pid), int(fd))
+    except ValueError:
+        raise _C.SharedMemoryError(
+            errno.EINVAL, f"torchshm: {locator!r} does not name a segment"
+        ) from None
+    return f"{tag}:{session}:{uid}", where
+
+
+def _open(session, uid, index, creator_pid, creator_fd):
+    """Maps segment `uid` of `session`, from the first place that has it: the
+    keeper's fd (through /proc: no round trip), the creator's, or the
+    keeper's socket (another PID namespace; a keeper that restarted)."""
+    own = session == _session.session_id()
+    table = _session.table() if own else _session.foreign_table(session)
+    places = []
+    keeper = _session.keeper_pid(session)
+    if keeper and table is not None and 0 <= index < table.capacity:
+        places.append(f"/proc/{keeper}/fd/{table.fd_base + index}")
+    if creator_pid > 0 and creator_fd >= 0:
+        places.append(f"/proc/{creator_pid}/fd/{creator_fd}")
+    for path in places:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            segment = _C.Segment.attach(fd, session, uid)
+        except _C.SharedMemoryError as exc:
+            if exc.errno == errno.ENOENT:
+                raise  # it is there, and closed: nowhere else has it either
+            continue  # that fd number now holds something else
+        finally:
+            os.close(fd)
+        break
+    else:
+        fd = _session.fetch(session, uid, index)
+        try:
+            segment = _C.Segment.attach(fd, session, uid)
+        finally:
+            os.close(fd)
+        table = _session.table() if own else _session.foreign_table(session)
+    segment.rebind(table, index)  # so that its flags reach its keeper
+    return segment
+
+
+def _check_generation(segment, generation):
+    if segment.generation != generation:
+        raise _C.SharedMemoryError(
+            errno.ESTALE,
+            f"torchshm: segment {segment.name} no longer holds this message"
+            f" (written in generation {generation}, now {segment.generation}):"
+            " it was loaded before and its sender has reused the memory since."
+            " Load a message once, or keep its first load alive while loading"
+            " it again",
+        )
+
+
+def _on_last_view(name, segment, slot):
+    """When a received segment's last view dies, keep its mapping for reuse,
+    unless nobody else holds it: then the view's release (which runs right
+    after this callback) unlinks it, and a cached mapping would only pin its
+    pages."""
+
+    def keep(_):
+        # Before the lock: at interpreter exit a daemon thread may have died
+        # holding it (_lifecycle's exit), and keeping a mapping then is
+        # pointless.
+        if _holdings.exiting or sys.is_finalizing():
+            return
+        with _holdings.lock:
+            _holdings.live.forget_if_dead(name)
+            if (
+                not segment.unlinked
+                and _mappings.get(name) is None
+                and segment.has_live_holder(slot)
+            ):
+                _mappings.keep(name, segment, _config.mapping_cache_bytes())
+                _expiry.timer.ensure()
+
+    return keep

@@ -1,0 +1,120 @@
+"""A process's life with shared memory: what fork gives a child (Note
+[Fork]), and what an exit lets go of. install() hooks both in.
+"""
+
+import os
+from multiprocessing import util
+
+from torchshm import _expiry, _holdings, _mappings, _segments, _session
+from torchshm._native import _C
+
+# Note [Fork]: a child inherits every view but none of the slots: those are
+# the parent's, under the parent's id. Before fork the parent makes the
+# child's id (and its lock, which the child inherits and keeps) and takes a
+# slot for the child in every segment it has a live view of; afterwards the
+# parent's pool could reuse a segment before the child claimed it. The child
+# adopts those slots. A child that execs loses the lock (close-on-exec), so
+# its slots name a dead process and are freed like any dead holder's.
+_for_child = []
+
+
+def _lock_with_timer_halted():
+    """Takes the lock with the expiry thread joined. The thread takes the
+    lock itself, so it is joined before the lock is taken; another thread may
+    start it again in between (ensure() runs under the lock): then again.
+    The lock is taken even if halt() raises: _after_fork_in_parent releases
+    it."""
+    while True:
+        try:
+            _expiry.timer.halt()
+        finally:
+            _holdings.lock.acquire()
+        if not _expiry.timer.running():
+            return
+        _holdings.lock.release()
+
+
+def _before_fork():
+    # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
+    # thread holding a lock would leave it held in the child): joined, and
+    # gone from /proc/self/task (Note [Threads at fork] in csrc/parallel.h).
+    _lock_with_timer_halted()
+    try:
+        _C.wait_threads_gone()
+        live = _holdings.live.owners()
+        if not live:
+            return
+        child = _C.prepare_child()
+        for owner in live:
+            slot = _C.segment_of(owner).take_slot(child)
+            if slot >= 0:
+                _for_child.append((owner, slot))
+    except Exception:  # noqa: BLE001 - fork must go on; the child just holds less
+        pass
+
+
+def _after_fork_in_parent():
+    _for_child.clear()
+    _C.after_fork_in_parent()
+    # Not restarted here: Python 3.13 counts threads for its fork warning
+    # after these hooks ran. The next send or receive restarts it.
+    _holdings.lock.release()
+
+
+def _after_fork_in_child():
+    _holdings.after_fork_in_child()
+    _expiry.after_fork_in_child()
+    _C.after_fork_in_child()
+    _C.forget_written_tickets()  # the parent's messages, not ours
+    _session.after_fork_in_child()
+    # A view without a slot of this process's own protects nothing here: a
+    # segment arriving again must be attached anew.
+    _holdings.live.clear()
+    if _for_child:
+        me = _C.process_id()
+        for owner, slot in _for_child:
+            _C.adopt(owner, slot, me)
+            _holdings.live.remember(_C.segment_of(owner).name, owner)
+        _for_child.clear()
+    _holdings.pool.forget()
+    _mappings.clear()
+
+
+def _at_exit():
+    # Below Queue's feeder-join finalizer (priority -5): pending messages are
+    # pickled (and may take tickets) before this process lets go.
+    util.Finalize(None, _exit, exitpriority=-100)
+
+
+def _exit():
+    _holdings.exiting = True
+    # The timer is a daemon thread: left running into interpreter
+    # finalization, it is stopped wherever it is, perhaps holding the lock,
+    # and a weakref callback that takes the lock later (an array freed with a
+    # module's globals) would wait for ever. So it ends here, joined;
+    # ensure() starts no other once `exiting` is set.
+    _expiry.timer.halt()
+    _segments.disown_all()
+    _C.remove_own_lock()
+    _session.leave()
+
+
+class _Token:
+    """multiprocessing.util.register_after_fork needs a weak-referenceable object."""
+
+
+_token = _Token()
+
+
+def install():
+    """Hooks the fork protocol and the exit finalizer in (once, from
+    torchshm/__init__.py)."""
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
+    # A child's bootstrap clears inherited finalizers, then runs after-fork
+    # hooks.
+    util.register_after_fork(_token, lambda _: _at_exit())
+    _at_exit()
