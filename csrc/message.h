@@ -16,9 +16,8 @@ namespace torchshm {
 // multiprocessing pickles each message with a fresh ForkingPickler, whose
 // memo holds every object it pickled until the message is done. A reducer
 // sees only the array, so the per-message state lives in a Message that only
-// objects in that memo keep alive: the SegmentRefs it writes, and the
-// Message itself, which an array pickled inline carries as its token (it
-// unpickles as None). The thread remembers it weakly (current_message). Its
+// objects in that memo keep alive: the SegmentRefs it writes. The thread
+// remembers it weakly (current_message). Its
 // Plan (Note [Sender plan]) remembers which buffers this message copied and
 // where, so within a message views of one buffer share one copy and one
 // segment (aliasing survives), and the next message starts afresh (a later
@@ -26,10 +25,10 @@ namespace torchshm {
 //
 // The reducer (fast_reducer) decides by size, natively:
 // - below min(threshold, pack_min): numpy's own reduce;
-// - below the threshold: numpy's reduce wrapped in rebuild_inline with the
-//   message as token, counting the message's bytes of such arrays; once they
-//   reach the threshold, the message's later arrays are shared (1000 x 64 KiB
-//   then costs ~6x less than pickling);
+// - below the threshold: numpy's own reduce, counting the message's bytes of
+//   such arrays (Note [Counting a message's small arrays] in message.cpp);
+//   once they reach the threshold, the message's later arrays are shared
+//   (1000 x 64 KiB then costs ~6x less than pickling);
 // - from the threshold up: Plan::place, then (rebuild_ndarray, (SegmentRef,
 //   view args...)); pickle calls the SegmentRef's native __reduce__, which
 //   issues the message's ticket.
@@ -56,7 +55,6 @@ namespace torchshm {
 class Message {
  public:
   Plan plan;
-  int64_t small_bytes = 0;  // below-threshold bytes pickled inline so far
 
   // `self` is this Message's Python object, which the references it makes
   // keep alive.
@@ -106,7 +104,8 @@ py::object fast_reducer();
 
 // The wire's native rebuild functions, named torchshm._reduction.<name>:
 // rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype),
-// rebuild_inline(token, reconstruct, args, state) and message_token().
+// and, for pickles of earlier versions, rebuild_inline(token, reconstruct,
+// args, state) and message_token().
 py::object wire_function(const std::string& name);
 
 }  // namespace torchshm

@@ -267,13 +267,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_threshold", &torchshm::set_threshold, py::arg("threshold"));
 
   // The sender (plan.h, Note [Sender plan]; message.h, Note [One message,
-  // one snapshot]). A Message is pickled only as a token: it unpickles as
-  // None.
-  using torchshm::Message;
-  py::class_<Message>(m, "Message").def("__reduce__", [](py::handle) {
-    return py::make_tuple(torchshm::wire_function("message_token"),
-                          py::tuple());
-  });
+  // one snapshot]). A Message is never pickled: its SegmentRefs are.
+  py::class_<torchshm::Message>(m, "Message");
   py::class_<torchshm::SegmentRef>(m, "SegmentRef")
       .def_readonly("owner", &torchshm::SegmentRef::owner)
       .def_readonly("name", &torchshm::SegmentRef::name)

@@ -4,6 +4,8 @@ the per-message plan, and counters as native atomics."""
 import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -76,8 +78,9 @@ def test_threshold_changes_reach_the_fast_path():
 
 
 def test_packing_still_starts_after_a_threshold_of_small_arrays():
-    """PACK_MIN..threshold arrays go to the Python policy (_reduce_small):
-    inline for a threshold's worth, then packed into the message's chunk."""
+    """PACK_MIN..threshold arrays go inline for a threshold's worth, then are
+    packed into the message's chunk (Note [Counting a message's small
+    arrays] in csrc/message.cpp)."""
     torchshm.set_threshold(4 * _sender.PACK_MIN)
     arrays = [np.full(_sender.PACK_MIN, i, np.uint8) for i in range(10)]
     before = torchshm.stats()
@@ -87,6 +90,35 @@ def test_packing_still_starts_after_a_threshold_of_small_arrays():
     assert [torchshm.is_shared(r) for r in received] == [False] * 4 + [True] * 6
     for r, a in zip(received, arrays):
         np.testing.assert_array_equal(r, a)
+
+
+def test_the_count_of_small_arrays_restarts_with_each_message():
+    torchshm.set_threshold(4 * _sender.PACK_MIN)
+    arrays = [np.full(_sender.PACK_MIN, i, np.uint8) for i in range(3)]
+    before = torchshm.stats()
+    for _ in range(5):  # 15 arrays in all, but 3 per message
+        received = pickle.loads(ForkingPickler.dumps(arrays))
+        assert not any(torchshm.is_shared(r) for r in received)
+    assert stats_delta(before)["arrays_inline"] == 15
+
+
+def test_small_arrays_go_in_numpys_own_form():
+    # Read by a process that never imports torchshm, as plain pickle reads
+    # them: the message names nothing of torchshm's.
+    arrays = [np.arange(i, i + 4096, dtype=np.float64) for i in range(3)]
+    data = bytes(ForkingPickler.dumps(arrays))
+    assert b"torchshm" not in data
+    script = (
+        "import pickle, sys; import numpy as np\n"
+        "arrays = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert 'torchshm' not in sys.modules\n"
+        "print(sum(float(a.sum()) for a in arrays))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], input=data, capture_output=True, timeout=TIMEOUT
+    )
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == sum(float(a.sum()) for a in arrays)
 
 
 def test_views_of_one_buffer_share_one_copy_through_a_pipe():
