@@ -11,6 +11,7 @@ queue); they differ only in how the *sending* process pickles:
 - ``torchshm``: torchshm registered; every send snapshots into a new segment.
 - ``torchshm_shared``: ``torchshm.share`` once (untimed), then O(1) sends.
 - ``torchshm_always``: torchshm with threshold 0, to find the crossover.
+- ``pipe_again``: ``pipe`` from a second sender process, the A/A control.
 
 A method has three hooks: `setup_sender` (once per sending process),
 `prepare` (per payload, in the sender, untimed) and `finish` (per payload, in
@@ -40,6 +41,7 @@ LABELS = {
     "torchshm": "torchshm",
     "torchshm_shared": "torchshm pre-shared",
     "torchshm_always": "torchshm, threshold 0",
+    "pipe_again": "pipe + pickle, 2nd sender (A/A)",
     "torchshm_collate": "torchshm.collate",
     "torchshm_born": "torchshm, allocator on",
 }

@@ -4,6 +4,12 @@
 which it beats pipe + pickle at every larger size is the crossover, the
 natural default for torchshm's threshold. `torchshm` (the default threshold)
 must never be slower than pipe + pickle.
+
+`pipe_again` is the same as `pipe` from a second sender process: the A/A
+control. Each method sends from a process of its own, and on this 2-core VM
+two identical senders differed by up to 4% (median of the round-robin), so a
+torchshm / pipe ratio within the A/A spread of the same run is no
+difference at all.
 """
 
 import numpy as np
@@ -31,7 +37,7 @@ def size_label(nbytes):
 
 def run(quick, bar):
     sizes, budget, most = (QUICK_SIZES, 0.05, 50) if quick else (FULL_SIZES, 0.5, 300)
-    methods = METHODS + ("torchshm_always",)
+    methods = METHODS + ("torchshm_always", "pipe_again")
     result = Result(
         NAME,
         "4. Per item, one uint8 array child -> parent (ping-pong)",
@@ -72,6 +78,8 @@ def summarize_crossover(result, sizes):
         torch = result.get(label, "torch")["median"]
         result.extra(label, "torchshm / pipe", shm / pipe)
         result.extra(label, RATIO, shm / min(pipe, torch))
+        again = result.get(label, "pipe_again")["median"]
+        result.extra(label, "A/A: pipe again / pipe", again / pipe)
         worst = max(worst, shm / pipe)
     # The crossover: the smallest size from which sharing wins at every size.
     crossover = None
