@@ -5,7 +5,7 @@
 import os
 from multiprocessing import util
 
-from torchshm import _expiry, _holdings, _mappings, _segments, _session
+from torchshm import _expiry, _holdings, _mappings, _segments, _session, _stats
 from torchshm._native import _C
 
 # Note [Fork]: a child inherits every view but none of the slots: those are
@@ -62,6 +62,7 @@ def _after_fork_in_parent():
 
 
 def _after_fork_in_child():
+    _stats.after_fork_in_child()
     _holdings.after_fork_in_child()
     _expiry.after_fork_in_child()
     _C.after_fork_in_child()

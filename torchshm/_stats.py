@@ -5,7 +5,6 @@ and receiver paths count without a lock or a call into Python; fallbacks,
 keyed by a reason's text and rare, are counted here."""
 
 import collections
-import os
 import threading
 from typing import Any, Dict
 
@@ -62,13 +61,11 @@ def reset_stats() -> None:
         _fallbacks.clear()
 
 
-def _after_fork_in_child():
-    # Counters describe this process: a forked child starts from zero (and
-    # with a fresh lock, which another thread may have held at fork time).
+def after_fork_in_child():
+    """Counters describe this process: a forked child starts from zero (and
+    with a fresh lock, which another thread may have held at fork time).
+    Called by _lifecycle's fork protocol."""
     global _lock
     _lock = threading.Lock()
     _C.reset_counters()
     _fallbacks.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
