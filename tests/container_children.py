@@ -164,6 +164,21 @@ class Point(tuple):
     """A tuple subclass (as a namedtuple is): pickled, never flattened."""
 
 
+class Text(str):
+    """A str subclass: pickled, so that it reads back as a Text."""
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def item_formats(container):
+    """The first byte of each item (of each value, for a SharedDict): the
+    item format's tag or 0x80, a pickle (Note [Item format], csrc/items.h)."""
+    step = 2 if isinstance(container, torchshm.SharedDict) else 1
+    starts = container._offsets[step - 1 : -1 : step]
+    return [int(container._buf[start]) for start in starts]
+
+
 def mixed_items():
     """Items of every kind a SharedList holds: builtins of exact types, and
     values only pickle represents exactly (subclasses, big ints, sets,
