@@ -577,11 +577,13 @@ def test_workers_read_every_item_without_writing_a_page(ctx, child):
     containers = {
         "list": torchshm.SharedList(items),
         "dict": torchshm.SharedDict({r["file_name"]: r for r in items}),
+        # both item formats, and values only pickle keeps
+        "mixed": torchshm.SharedList(cc.mixed_items() * 20),
     }
     for name, shared in containers.items():
         # The parent reads every item, so every page of the buffer is mapped
         # here too: a page only the child mapped would count as private.
-        if name == "list":
+        if isinstance(shared, torchshm.SharedList):
             expected = list(shared)
         else:
             expected = list(shared.items())
@@ -590,7 +592,7 @@ def test_workers_read_every_item_without_writing_a_page(ctx, child):
         report = c.receive()
         c.send("done")
         assert c.close() == 0
-        assert report["len"] == len(items) and report["shared"]
+        assert report["len"] == len(shared) and report["shared"]
         assert report["checksum"] == cc.checksum(expected)
         (mapping,) = report["mappings"]
         assert _doctor.SEGMENT_MAPPING in mapping["path"]
