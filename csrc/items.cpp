@@ -541,26 +541,46 @@ PyObject* Decoder::value(int depth) {
   return fail("an unknown value tag", at);
 }
 
+// The pending exception, normalized, with its traceback (nullptr if none);
+// the error indicator is cleared. PyErr_Fetch is deprecated from 3.12.
+PyObject* fetch_error() {
+#if PY_VERSION_HEX >= 0x030C0000
+  return PyErr_GetRaisedException();
+#else
+  PyObject *type, *error, *trace;
+  PyErr_Fetch(&type, &error, &trace);
+  if (type == nullptr) return nullptr;
+  PyErr_NormalizeException(&type, &error, &trace);
+  if (trace != nullptr) PyException_SetTraceback(error, trace);
+  Py_DECREF(type);
+  Py_XDECREF(trace);
+  return error;
+#endif
+}
+
+// Raises `error` (a reference stolen).
+void restore_error(PyObject* error) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(error);
+#else
+  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(error))), error,
+                PyException_GetTraceback(error));
+#endif
+}
+
 // Raises ValueError(message) for a corrupted entry; a pending error becomes
 // its __cause__, except MemoryError, which stays as it is.
 PyObject* raise_corrupted(const char* format, ...) {
   if (PyErr_ExceptionMatches(PyExc_MemoryError)) return nullptr;
-  PyObject *type, *cause, *trace;
-  PyErr_Fetch(&type, &cause, &trace);
-  if (type != nullptr) PyErr_NormalizeException(&type, &cause, &trace);
-  if (trace != nullptr) PyException_SetTraceback(cause, trace);
-  Py_XDECREF(type);
-  Py_XDECREF(trace);
+  PyObject* cause = fetch_error();
   va_list args;
   va_start(args, format);
   PyErr_FormatV(PyExc_ValueError, format, args);
   va_end(args);
   if (cause != nullptr) {
-    PyObject *error_type, *error, *error_trace;
-    PyErr_Fetch(&error_type, &error, &error_trace);
-    PyErr_NormalizeException(&error_type, &error, &error_trace);
+    PyObject* error = fetch_error();
     PyException_SetCause(error, cause);  // steals cause
-    PyErr_Restore(error_type, error, error_trace);
+    restore_error(error);
   }
   return nullptr;
 }
@@ -840,15 +860,12 @@ PyMethodDef functions[] = {
 int add_item_codec(PyObject* module) {
   slice_name = PyUnicode_InternFromString("_slice");
   if (slice_name == nullptr) return -1;
-  PyObject* encoder = PyType_FromSpec(&encoder_spec);
-  if (PyModule_AddObject(module, "ItemEncoder", encoder) < 0) {
-    Py_XDECREF(encoder);
-    return -1;
-  }
-  PyObject* reader = PyType_FromSpec(&reader_spec);
-  if (PyModule_AddObject(module, "ItemReader", reader) < 0) {
-    Py_XDECREF(reader);
-    return -1;
+  for (auto [name, spec] : {std::pair{"ItemEncoder", &encoder_spec},
+                            std::pair{"ItemReader", &reader_spec}}) {
+    PyObject* type = PyType_FromSpec(spec);
+    int added = PyModule_AddObjectRef(module, name, type);
+    Py_XDECREF(type);
+    if (added < 0) return -1;
   }
   if (PyModule_AddFunctions(module, functions) < 0 ||
       PyModule_AddIntConstant(module, "ITEM_TAG", kItemTag) < 0 ||
