@@ -6,7 +6,7 @@ containers: the cost of reading one record of a SharedList against a plain
 list, and where it goes (the method and finding the item's bytes, measured
 on a SharedList of None; decoding the record), the same for items stored as
 pickles (buffers written before torchshm's item format, and items it cannot
-hold); SharedDict lookups against a dict.
+hold); writing a SharedList, both ways; SharedDict lookups against a dict.
 
 strings: a 2,000,000-element object column of strings, pickled as numpy
 does, packed like a SharedList (a pickle per string), and joined with NUL
@@ -102,6 +102,10 @@ def container_access(n=200_000, rounds=7):
             "list[i]": _reads(records, n),
             "touch(list[i])": _reads(records, n, touch),
             "pickle.loads(list_of_bytes[i])": _loads(serialized),
+            "writing: SharedList(records), per record": lambda: torchshm.SharedList(
+                records
+            ),
+            "writing, pickled items, per record": lambda: _pickled_list(records),
         }
         _time_round(plain_fns, n, costs)
         records = serialized = plain_fns = None
@@ -147,6 +151,8 @@ def container_access(n=200_000, rounds=7):
         "list[i]",
         "touch(list[i])",
         "pickle.loads(list_of_bytes[i])",
+        "writing: SharedList(records), per record",
+        "writing, pickled items, per record",
         "SharedDict[file_name]",
         "  of which finding the key (file_name in SharedDict)",
         "dict[file_name]",
@@ -174,6 +180,8 @@ def _pickled_list(records):
     buf, offsets, children, strings = _containers._pack_list(
         records, _containers._Packer(codec=False), "SharedList"
     )
+    # In shared memory, as SharedList(records) puts its buffers.
+    buf, offsets, strings = _containers._share(buf, offsets, strings)
     return _containers.rebuild_shared_list(buf, offsets, children, strings)
 
 
