@@ -3,8 +3,10 @@
     python -m benchmarks.micro containers strings
 
 containers: the cost of reading one record of a SharedList against a plain
-list, and where it goes (offsets and the buffer slice, unpickling, the
-method around them); SharedDict lookups against a dict.
+list, and where it goes (the method and finding the item's bytes, measured
+on a SharedList of None; decoding the record), the same for items stored as
+pickles (buffers written before torchshm's item format, and items it cannot
+hold); writing a SharedList, both ways; SharedDict lookups against a dict.
 
 strings: a 2,000,000-element object column of strings, pickled as numpy
 does, packed like a SharedList (a pickle per string), and joined with NUL
@@ -33,69 +35,87 @@ def _best_per_item(fn, n, repeat=5):
     return best / n * 1e6
 
 
-def container_access(n=200_000):
-    # The SharedList first, while no plain list of records lives in this
-    # process: a worker that reads a SharedList holds none either.
+def _time_round(fns, n, best):
+    """Runs every fn once; keeps the best microseconds per item of each."""
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        us = (time.perf_counter() - start) / n * 1e6
+        best[name] = min(best.get(name, us), us)
+
+
+def _reads(container, n, fn=None):
+    if fn is None:
+
+        def run():
+            for i in range(n):
+                container[i]
+
+    else:
+
+        def run():
+            for i in range(n):
+                fn(container[i])
+
+    return run
+
+
+def _loads(pieces):
+    def run():
+        for piece in pieces:
+            pickle.loads(piece)
+
+    return run
+
+
+def container_access(n=200_000, rounds=7):
     shared = torchshm.SharedList(make_records(n))
-    view, off = shared._view, shared._off
-    pieces = [view[off[i] : off[i + 1]] for i in range(n)]
-
-    def index():
-        for i in range(n):
-            shared[i]
-
-    def index_touch():
-        for i in range(n):
-            touch(shared[i])
+    nones = torchshm.SharedList([None] * n)  # items that take no decoding
+    pickled = _pickled_list(make_records(n))
+    buf, off = pickled._buf, pickled._offsets
+    pieces = [buf[off[i] : off[i + 1]].tobytes() for i in range(n)]
 
     def iterate():
         for record in shared:
             pass
 
-    def unpickle():
-        for piece in pieces:
-            pickle.loads(piece)
-
-    def slices():
-        for i in range(n):
-            view[off[i] : off[i + 1]]
-
-    costs = {
-        "SharedList[i]": _best_per_item(index, n),
-        "  of which pickle.loads(item bytes)": _best_per_item(unpickle, n),
-        "  of which offsets and buffer slice": _best_per_item(slices, n),
+    shared_fns = {
+        "SharedList[i]": _reads(shared, n),
+        "  of which the method and finding the bytes (None items)": _reads(nones, n),
+        "touch(SharedList[i]) (read every field)": _reads(shared, n, touch),
+        "for record in SharedList": iterate,
+        "pickled items: SharedList[i]": _reads(pickled, n),
+        "  of which pickle.loads(item bytes)": _loads(pieces),
+        "pickled items: touch(SharedList[i])": _reads(pickled, n, touch),
     }
-    costs["  of which the method call and checks"] = (
+    # Rounds alternate the SharedLists with a plain list that exists only
+    # for its own round: a worker that reads a SharedList holds no plain
+    # list, and a slow spell of the machine hits both sides alike.
+    costs = {}
+    for _ in range(rounds):
+        _time_round(shared_fns, n, costs)
+        records = list(make_records(n))
+        # detectron2's layout before it moved to one numpy buffer: the same
+        # pickles, each its own bytes object in a list.
+        serialized = [pickle.dumps(r, _containers.PROTOCOL) for r in records]
+        plain_fns = {
+            "list[i]": _reads(records, n),
+            "touch(list[i])": _reads(records, n, touch),
+            "pickle.loads(list_of_bytes[i])": _loads(serialized),
+            "writing: SharedList(records), per record": lambda: torchshm.SharedList(
+                records
+            ),
+            "writing, pickled items, per record": lambda: _pickled_list(records),
+        }
+        _time_round(plain_fns, n, costs)
+        records = serialized = plain_fns = None
+    costs["  of which decoding the record"] = (
         costs["SharedList[i]"]
-        - costs["  of which pickle.loads(item bytes)"]
-        - costs["  of which offsets and buffer slice"]
+        - costs["  of which the method and finding the bytes (None items)"]
     )
-    costs["touch(SharedList[i]) (read every field)"] = _best_per_item(index_touch, n)
-    costs["for record in SharedList"] = _best_per_item(iterate, n)
-    pieces = shared = None  # free them before the plain list is built
+    shared_fns = pieces = shared = nones = pickled = None
+
     records = list(make_records(n))
-
-    def plain_index():
-        for i in range(n):
-            records[i]
-
-    def plain_touch():
-        for i in range(n):
-            touch(records[i])
-
-    # detectron2's layout before it moved to one numpy buffer: the same
-    # pickles, each its own bytes object in a list.
-    serialized = [pickle.dumps(r, _containers.PROTOCOL) for r in records]
-
-    def serialized_loads():
-        for i in range(n):
-            pickle.loads(serialized[i])
-
-    costs["list[i]"] = _best_per_item(plain_index, n)
-    costs["touch(list[i])"] = _best_per_item(plain_touch, n)
-    costs["pickle.loads(list_of_bytes[i])"] = _best_per_item(serialized_loads, n)
-    serialized = None
-
     table = torchshm.SharedDict((r["file_name"], r) for r in records)
     plain = {r["file_name"]: r for r in records}
     names = [r["file_name"] for r in records]
@@ -112,22 +132,57 @@ def container_access(n=200_000):
         for name in names:
             plain[name]
 
-    costs["SharedDict[file_name]"] = _best_per_item(lookup, n)
-    costs["  of which finding the key (file_name in SharedDict)"] = _best_per_item(
-        contains, n
-    )
-    costs["dict[file_name]"] = _best_per_item(dict_lookup, n)
-    print(f"per record, {n:,} COCO-like records, best of 5:")
-    for what, us in costs.items():
-        print(f"  {what:55s} {us:6.3f} us")
-    serialized_ratio = costs["SharedList[i]"] / costs["pickle.loads(list_of_bytes[i])"]
-    touched_ratio = (
-        costs["touch(SharedList[i]) (read every field)"] / costs["touch(list[i])"]
+    dict_fns = {
+        "SharedDict[file_name]": lookup,
+        "  of which finding the key (file_name in SharedDict)": contains,
+        "dict[file_name]": dict_lookup,
+    }
+    for _ in range(rounds):
+        _time_round(dict_fns, n, costs)
+    order = [
+        "SharedList[i]",
+        "  of which decoding the record",
+        "  of which the method and finding the bytes (None items)",
+        "touch(SharedList[i]) (read every field)",
+        "for record in SharedList",
+        "pickled items: SharedList[i]",
+        "  of which pickle.loads(item bytes)",
+        "pickled items: touch(SharedList[i])",
+        "list[i]",
+        "touch(list[i])",
+        "pickle.loads(list_of_bytes[i])",
+        "writing: SharedList(records), per record",
+        "writing, pickled items, per record",
+        "SharedDict[file_name]",
+        "  of which finding the key (file_name in SharedDict)",
+        "dict[file_name]",
+    ]
+    print(f"per record, {n:,} COCO-like records, best of {rounds} rounds:")
+    for what in order:
+        print(f"  {what:58s} {costs[what]:6.3f} us")
+    plain_touch = costs["touch(list[i])"]
+    touched = costs["touch(SharedList[i]) (read every field)"] / plain_touch
+    pickled = costs["pickled items: touch(SharedList[i])"] / plain_touch
+    decode = (
+        costs["  of which decoding the record"]
+        / costs["  of which pickle.loads(item bytes)"]
     )
     print(
-        f"  SharedList[i] / pickle.loads(list_of_bytes[i]): {serialized_ratio:.1f}x;"
-        f" reading every field, SharedList / list: {touched_ratio:.1f}x"
+        f"  reading every field, SharedList / list: {touched:.2f}x (pickled"
+        f" items: {pickled:.2f}x); decoding a record / pickle.loads: {decode:.2f}x"
     )
+
+
+def _pickled_list(records):
+    """A SharedList whose every item is a pickle, as torchshm wrote them
+    before its item format (and still writes items the format cannot
+    hold)."""
+    buf, offsets, children, strings = _containers._pack_list(
+        records, _containers._Packer(codec=False), "SharedList"
+    )
+    # In shared memory, as SharedList(records) puts its buffers.
+    buf, offsets, strings = _containers._share(buf, offsets, strings)
+    return _containers.rebuild_shared_list(buf, offsets, children, strings)
 
 
 def string_columns(n=2_000_000):
@@ -167,15 +222,17 @@ def string_columns(n=2_000_000):
 
 
 def _per_string(column):
-    """Send and receive of a column packed like a SharedList's items."""
+    """Send and receive of a column packed like a SharedList's items as
+    they were before the item format: a pickle each (what the row and
+    Note [String columns] compare)."""
 
     def send():
-        packer = _containers._Packer()
+        packer = _containers._Packer(codec=False)
         for i, item in enumerate(column):
             packer.add_object(item, f"item {i}", "micro")
         return packer.arrays()
 
-    buf, offsets = send()
+    buf, offsets, _ = send()
     view, off = memoryview(buf), memoryview(offsets)
 
     def receive():

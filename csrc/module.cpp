@@ -8,6 +8,7 @@
 #include "config.h"
 #include "errors.h"
 #include "identity.h"
+#include "items.h"
 #include "layout.h"
 #include "live.h"
 #include "message.h"
@@ -333,6 +334,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("EXPIRY_THREAD_NAME") = torchshm::kExpiryThreadName;
   m.def("wait_threads_gone", &torchshm::wait_threads_gone,
         py::arg("timeout_seconds") = 1.0);
+
+  // SharedList and SharedDict items (items.h, Note [Item format]): plain
+  // CPython types, so that shared[i] is one C call.
+  if (torchshm::add_item_codec(m.ptr()) < 0) throw py::error_already_set();
 
   m.def("wrap_ndarray", &torchshm::wrap_ndarray, py::arg("owner"),
         py::arg("offset"), py::arg("dtype"), py::arg("shape"),

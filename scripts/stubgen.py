@@ -123,7 +123,7 @@ def generate():
             functions += _function(name, value)
         else:
             kind = type(value).__name__
-            kind = {"tuple": "Tuple[Any, ...]", "dict": "Dict[str, int]"}.get(
+            kind = {"tuple": "tuple[Any, ...]", "dict": "dict[str, int]"}.get(
                 kind, kind
             )
             if kind == "LiveViews":

@@ -2,8 +2,10 @@
 level so that spawn and forkserver children import them. Every wait is
 bounded (see tests/children.py)."""
 
+import collections
 import gc
 import random
+import struct
 import zlib
 
 import numpy as np
@@ -134,3 +136,86 @@ class MetadataDataset(torch.utils.data.Dataset):
             "kind": type(self.records).__name__,
             "shared": torchshm.is_shared(getattr(self.records, "_buf", None)),
         }
+
+
+def exact(a, b, where="item"):
+    """Asserts that b is a, value for value and type for type: bool is not
+    int, tuple is not list, and floats compare by their bits (-0.0, NaN
+    payloads)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if type(a) is float:
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{where}: {a!r} {b!r}"
+    elif type(a) in (list, tuple):
+        assert len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            exact(x, y, f"{where}[{i}]")
+    elif type(a) is np.ndarray:
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}: {a!r} {b!r}"
+    elif type(a) is dict:
+        assert len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, ((ka, va), (kb, vb)) in enumerate(zip(a.items(), b.items())):
+            exact(ka, kb, f"{where} key {i}")
+            exact(va, vb, f"{where}[{ka!r}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+class Point(tuple):
+    """A tuple subclass (as a namedtuple is): pickled, never flattened."""
+
+
+class Text(str):
+    """A str subclass: pickled, so that it reads back as a Text."""
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def item_formats(container):
+    """The first byte of each item (of each value, for a SharedDict): the
+    item format's tag or 0x80, a pickle (Note [Item format], csrc/items.h)."""
+    step = 2 if isinstance(container, torchshm.SharedDict) else 1
+    starts = container._offsets[step - 1 : -1 : step]
+    return [int(container._buf[start]) for start in starts]
+
+
+def mixed_items():
+    """Items of every kind a SharedList holds: builtins of exact types, and
+    values only pickle represents exactly (subclasses, big ints, sets,
+    objects held twice, numpy values). Deterministic: stored test data
+    (tests/data/containers_*.json) is checked against it."""
+    shared_list = [1, 2]
+    return [
+        record(1),
+        None,
+        True,
+        False,
+        0,
+        -1,
+        2**63 - 1,
+        -(2**63),
+        2**63,
+        -(2**70),
+        1.5,
+        -0.0,
+        float("inf"),
+        struct.unpack("<d", b"\x01\x00\x00\x00\x00\x00\xf8\x7f")[0],  # NaN, payload 1
+        "",
+        "a",
+        "naïve ☃ \U0001f600",
+        "lone \ud800 surrogate",
+        b"",
+        b"\x00\xff" * 3,
+        (1, (2, "x"), ()),
+        [],
+        {},
+        {1: "int key", None: [b"z"], ("t", 2): {"k": (True, 0.25)}, 2.5: False},
+        [[True, 1], [1.0, 1]],
+        {3, 4},
+        collections.OrderedDict(a=1),
+        collections.defaultdict(list, b=[2]),
+        Point((1, 2)),
+        {"shared": shared_list, "again": shared_list},
+        np.float32(2.5),
+        np.arange(3),
+    ]

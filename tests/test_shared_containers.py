@@ -3,8 +3,10 @@ the plain containers), O(1) pickling, workers under fork, spawn and
 forkserver reading every item without writing a page, share(containers=True),
 bad items and keys, empty, nested and huge containers."""
 
+import collections
 import gc
 import pickle
+import struct
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import torchshm
-from torchshm import _doctor
+from torchshm import _containers, _doctor
+from torchshm._containers import _C
 from tests import container_children as cc
 
 # Values as a dataset holds them. No NaN: an item is read back as a new
@@ -30,15 +33,29 @@ scalars = (
     | st.text(max_size=8)
     | st.binary(max_size=8)
 )
-values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-    max_leaves=12,
-)
 key_scalars = st.none() | st.integers() | st.text(max_size=6) | st.binary(max_size=6)
 keys = key_scalars | st.tuples(key_scalars, key_scalars)
+# Values that only pickle stores exactly (Note [Item codec]): an item that
+# holds one goes as a pickle, whole, so containers mix both formats.
+pickled_only = (
+    st.integers(min_value=2**63)
+    | st.integers(max_value=-(2**63) - 1)
+    | st.frozensets(st.integers(-3, 3), max_size=2)
+    | st.builds(cc.Point, st.tuples(st.integers(), st.text(max_size=2)))
+    | st.builds(
+        collections.OrderedDict, st.dictionaries(st.text(max_size=2), st.none())
+    )
+)
+values = st.recursive(
+    scalars | pickled_only,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    | st.dictionaries(key_scalars, inner, max_size=3)
+    # one object twice in an item: pickle keeps it one object
+    | st.lists(inner, min_size=1, max_size=2).map(lambda shared: [shared, shared]),
+    max_leaves=12,
+)
 # What a lookup may be asked: stored kinds, their numeric look-alikes (True,
 # 1.0, numpy ints find the key 1 in a dict) and other hashables.
 probes = (
@@ -91,6 +108,8 @@ def test_list_parity(items, index, cut, probe):
         assert len(shared) == len(items)
         assert shared == items and items == shared and not shared != items
         assert list(shared) == items
+        for i, item in enumerate(items):  # bool stays bool, tuple tuple...
+            cc.exact(item, shared[i], f"item {i}")
         assert list(reversed(shared)) == list(reversed(items))
         assert outcome(shared.__getitem__, index) == outcome(items.__getitem__, index)
         sliced = shared[slice(*cut)]
@@ -117,7 +136,8 @@ def test_dict_parity(pairs, probe):
         assert list(shared.values()) == list(plain.values())
         assert list(shared.items()) == list(plain.items())
         for key in plain:
-            assert key in shared and shared[key] == plain[key]
+            assert key in shared
+            cc.exact(plain[key], shared[key], f"value of {key!r}")
         assert outcome(shared.__contains__, probe) == outcome(plain.__contains__, probe)
         assert outcome(shared.__getitem__, probe) == outcome(plain.__getitem__, probe)
         assert outcome(shared.get, probe, "none") == outcome(plain.get, probe, "none")
@@ -146,11 +166,239 @@ def test_equality_with_other_types():
         hash(shared)
 
 
-def test_items_are_fresh_copies():
-    shared = torchshm.SharedList([{"boxes": [1, 2]}])
-    first = shared[0]
-    first["boxes"].append(3)
-    assert shared[0] == {"boxes": [1, 2]} and shared[0] is not shared[0]
+@pytest.mark.parametrize("pickled", [False, True], ids=["item format", "pickle"])
+def test_items_are_fresh_copies(pickled):
+    record = {"boxes": [[1.5, 2.5]], "tags": {"a": 1}}
+    # A set forces the pickle; the item format takes the record as it is.
+    item = {**record, "set": {0}} if pickled else record
+    shared = torchshm.SharedList([item])
+    table = torchshm.SharedDict(k=item)
+    for read in (lambda: shared[0], lambda: table["k"], lambda: list(shared)[0]):
+        first, second = read(), read()
+        assert first is not second and first["boxes"] is not second["boxes"]
+        assert first["boxes"][0] is not second["boxes"][0]
+        first["boxes"][0].append(3.5)
+        first["tags"]["b"] = 2
+        del first["boxes"]
+        assert read() == item and second == item
+    assert cc.item_formats(shared) == [0x80 if pickled else _C.ITEM_TAG]
+
+
+# --- the item format (Note [Item codec]) ----------------------------------------
+
+_held = [1, 2]
+_text, _data, _pair, _empty = "held twice", b"twice", (1, 2), []
+_loop = []
+_loop.append(_loop)
+
+
+def _nested(depth):
+    """A list nested `depth` lists deep."""
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+# Exact builtins: the item format stores them.
+NATIVE = [
+    cc.record(7),
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63 - 1,
+    -(2**63),
+    -0.0,
+    float("-inf"),
+    struct.unpack("<d", b"\x01\x00\x00\x00\x00\x00\xf8\x7f")[0],  # NaN payload 1
+    "",
+    "naïve ☃ \U0001f600",
+    "lone \udc80 surrogate",
+    b"",
+    b"\x00\xff",
+    (1, ("x", b"y"), ()),
+    [[True, 1], [1.0, 1], (False, 0)],
+    {1: "a", None: b"b", ("t", 2): 2.5, 2.5: [], False: {}, b"k": None},
+    [{"x": 1, "y": 2}, {"x": 3, "y": 4}],  # the same key objects: the table's
+    ["a", "a", "é", "é", b"z", b"z", (), ()],  # singletons in both processes
+    [[], []],  # two lists
+    _nested(_C.ITEM_MAX_DEPTH),
+]
+# Only pickle stores these exactly: the item goes as a pickle, whole.
+PICKLED = [
+    2**63,
+    -(2**63) - 1,
+    [1, 2**70],
+    {3, 4},
+    frozenset(),
+    collections.OrderedDict(a=1),
+    collections.defaultdict(list, b=[2]),
+    cc.Point((1, 2)),
+    cc.Pair(1, "b"),
+    [cc.Text("sub")],
+    {"k": cc.Text("sub")},
+    {cc.Text("key"): 1},
+    np.float32(2.5),
+    [np.int64(3)],
+    np.arange(3),
+    {"held": _held, "again": _held},
+    [_text, _text],
+    [_data, _data],
+    [_pair, _pair],
+    [_empty, _empty],
+    _nested(_C.ITEM_MAX_DEPTH + 1),
+]
+
+
+def test_items_take_the_item_format_only_when_it_is_exact():
+    shared = torchshm.SharedList(NATIVE + PICKLED)
+    formats = cc.item_formats(shared)
+    assert formats == [_C.ITEM_TAG] * len(NATIVE) + [0x80] * len(PICKLED)
+    for i, item in enumerate(NATIVE + PICKLED):
+        cc.exact(item, shared[i], f"item {i}")
+    table = torchshm.SharedDict({i: item for i, item in enumerate(NATIVE + PICKLED)})
+    for i, item in enumerate(NATIVE + PICKLED):
+        cc.exact(item, table[i], f"value {i}")
+    assert _C.ITEM_TAG != pickle.dumps(None, 5)[0] == _C.PICKLE_TAG == 0x80
+
+
+def test_an_object_held_twice_in_an_item_stays_one_object():
+    held = {"held": _held, "again": _held}
+    twice = [[_text, _text], [_data, _data], [_pair, _pair], [_empty, _empty]]
+    shared = torchshm.SharedList([held, *twice, _loop])
+    assert cc.item_formats(shared) == [0x80] * 6  # pickled: pickle keeps it one
+    read = shared[0]
+    assert read == held and read["held"] is read["again"]
+    read["held"].append(3)
+    assert read["again"] == [1, 2, 3]
+    for i, value in enumerate(twice, 1):
+        read = shared[i]
+        assert read == value and read[0] is read[1]
+    loop = shared[-1]
+    assert loop[0] is loop
+
+
+def test_table_strings_are_shared_str_objects():
+    shared = torchshm.SharedList([cc.record(i) for i in range(3)])
+    first, second = shared[0], shared[1]
+    # A key comes back as the one interned str: no copy, hash kept.
+    assert all(a is b for a, b in zip(first, second))
+    assert next(iter(first)) is "id"  # noqa: F632 - the interned literal
+    assert first["file_name"] is not shared[0]["file_name"]  # values are fresh
+
+
+def test_construction_names_an_unpicklable_item_inside_a_plain_one():
+    with pytest.raises(TypeError, match=r"SharedList: item 1 \(dict\) cannot be"):
+        torchshm.SharedList([{"a": 1}, {"a": lambda: 0}])
+
+
+# --- corrupted buffers: a clear ValueError, never a crash ----------------------
+
+
+def _list_over(data, offsets=None, strings=b""):
+    """A SharedList over raw bytes, as one that another process sent."""
+    offsets = [0, len(data)] if offsets is None else offsets
+    return _containers.rebuild_shared_list(
+        np.frombuffer(bytes(data), np.uint8).copy(),
+        np.array(offsets, np.int64),
+        (),
+        np.frombuffer(strings, np.uint8).copy(),
+    )
+
+
+BAD_ITEMS = {
+    b"\x01": "ends inside a value",
+    b"\x01i": "malformed int",
+    b"\x01f\x00\x00": "float past the end",
+    b"\x01s\x05ab": "past the end",
+    b"\x01s\x03ab": "past the end",  # the length's own byte is not the str's
+    b"\x01l\x02N": "past the end",
+    b"\x01s\x02\xff\xfe": "not UTF-8",
+    b"\x01s" + b"\xff" * 11: "malformed length",
+    b"\x01y\xff\xff\xff\xff\xff\xff\xff\xff\x7f": "past the end",
+    b"\x01l\xff\xff\xff\xff\xff\xff\xff\xff\x01": "past the end",
+    b"\x01d\x02N": "past the end",
+    b"\x01k\x01": "past the string table",
+    b"\x01d\x01l\x00N": "not hashable",
+    b"\x01NN": "bytes after the value",
+    b"\x01Z": "unknown value tag",
+    b"\x01" + b"l\x01" * 200 + b"N": "nested too deep",
+    b"\x02N": "starts with byte 0x02",
+}
+
+
+@pytest.mark.parametrize("data", BAD_ITEMS, ids=[str(i) for i in range(len(BAD_ITEMS))])
+def test_a_corrupted_item_is_a_value_error_naming_it(data):
+    shared = _list_over(b"\x01N" + data, [0, 2, 2 + len(data)], strings=b"\x01a")
+    assert shared[0] is None
+    with pytest.raises(ValueError, match="SharedList item 1 is corrupted") as raised:
+        shared[1]
+    assert BAD_ITEMS[data] in str(raised.value)
+    cause = {"not UTF-8": UnicodeDecodeError, "not hashable": TypeError}
+    if BAD_ITEMS[data] in cause:  # what Python said, kept as the cause
+        assert isinstance(raised.value.__cause__, cause[BAD_ITEMS[data]])
+    with pytest.raises(ValueError, match="SharedList item 1 is corrupted"):
+        list(shared)
+
+
+@pytest.mark.parametrize("offsets", [[0, 9], [2, 1], [-1, 1], [0, 0], [0, 2**62]])
+def test_offsets_outside_the_buffer_are_a_value_error(offsets):
+    shared = _list_over(b"\x01N", offsets)
+    with pytest.raises(ValueError, match=r"item 0 is corrupted: its offsets"):
+        shared[0]
+
+
+def test_a_corrupted_string_table_is_a_value_error():
+    for table in (b"\x05ab", b"\x02\xff\xfe", b"\x80"):
+        with pytest.raises(ValueError, match="string table is corrupted"):
+            _list_over(b"\x01N", strings=table)
+
+
+def test_every_cut_of_a_native_item_is_a_value_error():
+    shared = torchshm.SharedList([NATIVE[0], NATIVE[-6]])
+    item = shared._buf[: shared._offsets[1]].tobytes()
+    for cut in range(1, len(item)):
+        broken = _list_over(item[:cut], strings=shared._strings.tobytes())
+        with pytest.raises(ValueError, match="item 0 is corrupted"):
+            broken[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    item=st.sampled_from(range(len(NATIVE))),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+)
+def test_garbled_native_items_decode_or_raise_value_error(item, flips):
+    shared = torchshm.SharedList([NATIVE[item]])
+    # Past the format byte: one garbled to 0x80 would make it a pickle.
+    data = bytearray(shared._buf.tobytes())
+    for where, byte in flips:
+        data[1 + where % (len(data) - 1)] = byte
+    garbled = _list_over(data, strings=shared._strings.tobytes())
+    table = torchshm.SharedDict(k=NATIVE[item])
+    value_at = int(table._offsets[1]) + 1
+    data = bytearray(table._buf.tobytes())
+    for where, byte in flips:
+        data[value_at + where % (len(data) - value_at)] = byte
+    garbled_table = _containers.rebuild_shared_dict(
+        np.frombuffer(bytes(data), np.uint8).copy(),
+        table._offsets,
+        table._starts,
+        table._slots,
+        (),
+        table._strings,
+    )
+    reads = {
+        "SharedList item 0": garbled.__getitem__,
+        "SharedDict value 0": garbled_table.get,
+    }
+    for name, read in reads.items():
+        try:
+            read(0 if name.startswith("SharedList") else "k")
+        except ValueError as exc:
+            assert f"{name} is corrupted" in str(exc)
 
 
 def test_indices_of_other_types():
@@ -233,8 +481,6 @@ def test_keys_of_other_types_are_refused(key):
 
 
 def test_arrays_that_are_not_a_container_are_refused():
-    from torchshm import _containers
-
     with pytest.raises(TypeError, match="SharedList's offsets"):
         _containers.rebuild_shared_list(np.zeros(4, np.uint8), np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="inconsistent SharedDict"):
@@ -270,7 +516,7 @@ def test_nested_containers_are_kept_by_reference():
     received = roundtrip(outer)
     assert received[2] == inner and np.shares_memory(received[2]._buf, inner._buf)
     # An item's raw pickle names its child by number: only the container reads it.
-    raw = outer._view[outer._off[0] : outer._off[1]]
+    raw = outer._buf[outer._offsets[0] : outer._offsets[1]].tobytes()
     with pytest.raises(pickle.UnpicklingError, match="through its container"):
         pickle.loads(raw)
 
@@ -334,11 +580,13 @@ def test_workers_read_every_item_without_writing_a_page(ctx, child):
     containers = {
         "list": torchshm.SharedList(items),
         "dict": torchshm.SharedDict({r["file_name"]: r for r in items}),
+        # both item formats, and values only pickle keeps
+        "mixed": torchshm.SharedList(cc.mixed_items() * 20),
     }
     for name, shared in containers.items():
         # The parent reads every item, so every page of the buffer is mapped
         # here too: a page only the child mapped would count as private.
-        if name == "list":
+        if isinstance(shared, torchshm.SharedList):
             expected = list(shared)
         else:
             expected = list(shared.items())
@@ -347,7 +595,7 @@ def test_workers_read_every_item_without_writing_a_page(ctx, child):
         report = c.receive()
         c.send("done")
         assert c.close() == 0
-        assert report["len"] == len(items) and report["shared"]
+        assert report["len"] == len(shared) and report["shared"]
         assert report["checksum"] == cc.checksum(expected)
         (mapping,) = report["mappings"]
         assert _doctor.SEGMENT_MAPPING in mapping["path"]
@@ -415,8 +663,6 @@ def test_share_keeps_lists_that_hold_arrays_or_tensors():
     assert np.array_equal(shared["small_arrays"][5], np.zeros(2))
     # Tensors are torch's to share (decided without pickling one here: torch
     # would start its fd-passing machinery in this process).
-    from torchshm import _containers
-
     assert _containers.reduce_converted([torch.zeros(2)] * 1200, 1000) is None
 
 
@@ -468,7 +714,7 @@ def test_huge_items_past_2_gib(child):
         assert huge._offsets[-1] > 2**31 and len(huge) == 3
         assert torchshm.is_shared(huge._buf)
         # The first item and, by a negative index, the last (past 2**31);
-        # each read unpickles a fresh 750 MiB copy (3-4 s here).
+        # each read decodes a fresh 750 MiB copy.
         for i in (0, -1):
             item = huge[i]
             assert len(item) == HUGE_ITEM and item[:1] == item[-1:] == bytes(

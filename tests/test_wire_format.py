@@ -13,6 +13,14 @@ wire format adds a file here; old files stay, and every later version must
 keep loading them. To write this version's file (once, for a new format):
 
     python -m tests.test_wire_format tests/data/wire_format_<N>.json
+
+tests/data/containers_<N>.json hold SharedLists and SharedDicts pickled with
+plain pickle (their buffers by value, as in a file): containers_1 by the
+version that pickled every item, containers_2 by the first with torchshm's
+item format (Note [Item format] in csrc/items.h), and a file for each later
+item format. Written the same way:
+
+    python -m tests.test_wire_format tests/data/containers_<N>.json
 """
 
 import errno
@@ -29,6 +37,7 @@ import torchshm
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 STORED = sorted(f for f in os.listdir(DATA) if f.startswith("wire_format_"))
+CONTAINERS = sorted(f for f in os.listdir(DATA) if f.startswith("containers_"))
 
 
 def _cases():
@@ -104,5 +113,72 @@ def test_a_stored_handle_whose_exporter_is_gone_is_a_handle_error(stored):
     assert raised.value.errno in (errno.ESTALE, errno.ENOENT)
 
 
+def _container_cases():
+    """(name, container) pairs whose plain pickles containers_*.json hold."""
+    from tests import container_children as cc
+
+    items = cc.mixed_items()
+    keyed = {f"k{i}": item for i, item in enumerate(items)}
+    keyed.update({7: "int key", b"b": None, None: (1,), ("t", 1): [2.5]})
+    inner = torchshm.SharedList(cc.records(3))
+    outer = [inner, {"inner": torchshm.SharedDict(a=cc.record(2))}, inner]
+    return [
+        ("list", torchshm.SharedList(items)),
+        ("dict", torchshm.SharedDict(keyed)),
+        ("nested", torchshm.SharedList(outer)),
+    ]
+
+
+def _plain(obj):
+    """obj with every SharedList and SharedDict in it read out, tagged."""
+    if isinstance(obj, torchshm.SharedList):
+        return ("SharedList", [_plain(item) for item in obj])
+    if isinstance(obj, torchshm.SharedDict):
+        return ("SharedDict", [(key, _plain(value)) for key, value in obj.items()])
+    if type(obj) is list:
+        return [_plain(item) for item in obj]
+    if type(obj) is dict:
+        return {key: _plain(value) for key, value in obj.items()}
+    return obj
+
+
+def write_containers(path):
+    record = {"torchshm": torchshm.__version__, "pickles": {}, "expected": {}}
+    for name, container in _container_cases():
+        record["pickles"][name] = pickle.dumps(container, 5).hex()
+        record["expected"][name] = pickle.dumps(_plain(container), 5).hex()
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+@pytest.fixture(params=CONTAINERS)
+def stored_containers(request):
+    with open(os.path.join(DATA, request.param)) as f:
+        return request.param, json.load(f)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _container_cases()])
+def test_containers_pickled_by_an_earlier_version_read_as_they_were(
+    stored_containers, name
+):
+    from tests import container_children as cc
+
+    stored_as, record = stored_containers
+    container = _load(record["pickles"][name])
+    cc.exact(_load(record["expected"][name]), _plain(container), stored_as)
+    if name == "list":
+        both = container[29]  # one list held twice in one item stays one list
+        assert both["shared"] is both["again"]
+    formats = set(cc.item_formats(container))
+    if stored_as == "containers_1.json":  # written when every item was a pickle
+        assert formats == {0x80}
+    elif name == "list":  # later: items in the item format, and pickles
+        assert formats == {0x80, 0x01}
+
+
 if __name__ == "__main__":
-    write(sys.argv[1])
+    if os.path.basename(sys.argv[1]).startswith("containers_"):
+        write_containers(sys.argv[1])
+    else:
+        write(sys.argv[1])

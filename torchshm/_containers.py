@@ -7,24 +7,65 @@ A list of Python objects in a Dataset is copied into every DataLoader
 worker: pickled to spawn and forkserver workers, and, under fork, page by
 page, because reading an object writes its reference count (and a garbage
 collection writes its header) on the page that holds it (pytorch#13246).
-So the items live here as bytes instead: each item pickled once, one after
+So the items live here as bytes instead: each item written once, one after
 the other, into one uint8 buffer, with an int64 array of offsets (item i is
 buf[offsets[i]:offsets[i + 1]]). Raw bytes have no reference counts: reading
-an item unpickles a fresh copy of it and writes nothing to the buffer, and
+an item decodes a fresh copy of it and writes nothing to the buffer, and
 both arrays live in torchshm shared memory, so a pickled SharedList is a
 reference to them (O(1)) and every process maps the same pages.
 
-The cost is an unpickle per read (about a microsecond for a record of two
-dozen objects: README, Python objects) and read-only semantics: a read
-returns a copy, so mutating it changes nothing, and the container cannot be
-mutated at all.
+The cost is a decode per read (Note [Item codec]): 0.39 us for a record of
+two dozen objects, so reading every field of it costs 1.6x what it does
+from a plain list (`python -m benchmarks.micro containers`, median of 5
+runs; README, Python objects); and read-only semantics: a read returns a
+copy, so mutating it changes nothing, and the container cannot be mutated
+at all.
+
+Note [Item codec]
+~~~~~~~~~~~~~~~~~
+Items used to be pickles, and pickle.loads was most of a read: reading every
+field of a record of two dozen objects cost 4.3-4.5x reading it from a
+plain list, 1.2-1.6 us of pickle.loads out of about 2 us. Pickle pays for
+its generality on every call: an Unpickler and its memo per item, an
+opcode loop, new key strings each read. Most dataset items are plain data:
+None, bool, int, float, str, bytes, list, tuple, dict. So an item goes in
+torchshm's own format (csrc/items.h, Note [Item format]) when that
+represents it exactly, and _C.ItemReader, the base of SharedList, decodes
+it from the buffer in the one C call that shared[i] makes: no memoryview
+slice, no Python frame. Decoding the record takes 0.36 us (pickle.loads:
+1.25 us), and that is what remains of the 1.6x: mostly CPython making the
+record's two dozen new objects (perf puts about a third in the decoder's
+own code), which a plain list's reader never does.
+
+- Exactly means: only those types, not subclasses (a namedtuple, an
+  OrderedDict, a str subclass, numpy scalars stay what they are only as
+  pickles), ints that fit in 64 bits, no object twice in one item (pickle
+  keeps a list held twice one list; the format would make two), nothing
+  nested deeper than _C.ITEM_MAX_DEPTH (recursion included). Anything else,
+  and any item holding a nested SharedList or SharedDict (Note [Nested
+  containers]), goes as a pickle, whole; the reader tells the two apart by
+  the first byte, so buffers written before the format (all pickles) read
+  as they did.
+- Dict keys: the first _TABLE_STRINGS distinct str keys of at most
+  _TABLE_STRING_BYTES UTF-8 bytes go once into the container's string
+  table (a third array, shared with the others), which each process reads
+  once into interned str; an item names them by number, and a read returns
+  the very same str objects (no allocation, hash cached), as do str values
+  equal to one of them. Keys past the limit are written in full. str is
+  immutable, so sharing those objects between reads changes nothing that
+  == sees; containers are never shared: every read makes new ones.
+- A buffer can come from another process: the reader checks every offset,
+  length, count and table index, and a corrupted item is a ValueError that
+  names it.
+
+Encoding costs less than pickling (one C call per item, no memo); only
+items the format refuses are encoded twice (tried, then pickled).
 """
 
 import array
 import collections.abc
 import copyreg
 import io
-import operator
 import pickle
 import zlib
 from typing import Any, Iterable, Iterator, Tuple
@@ -33,12 +74,18 @@ import numpy as np
 import torch
 
 from torchshm import _config, _keys, _registry
+from torchshm._native import _C
 
 _crc32 = zlib.crc32
 # Fixed, not pickle.HIGHEST_PROTOCOL: a SharedList pickled to a file by one
 # Python must read in another.
 PROTOCOL = 5
 _REPR_ITEMS = 8
+# The string table (Note [Item codec]): the first 4096 distinct dict keys of
+# at most 64 UTF-8 bytes. Every process reads the whole table when it
+# attaches (4096 such keys: well under a millisecond).
+_TABLE_STRINGS = 4096
+_TABLE_STRING_BYTES = 64
 
 
 def _read_only(message: str):
@@ -114,19 +161,26 @@ class _ItemUnpickler(pickle.Unpickler):
 
 class _Packer:
     """Writes entries one after the other into one buffer; entry i is
-    buf[offsets[i]:offsets[i + 1]]."""
+    buf[offsets[i]:offsets[i + 1]]. An object goes in the item format when
+    it represents the object exactly (Note [Item codec]), else as a pickle;
+    codec=False pickles every one (as torchshm did before the format)."""
 
-    def __init__(self, plain_only=False):
-        self._out = io.BytesIO()
-        self._offsets = array.array("q", [0])
+    def __init__(self, plain_only=False, codec=True):
+        strings = _TABLE_STRINGS if codec else 0
+        self._encoder = _C.ItemEncoder(strings, _TABLE_STRING_BYTES)
+        self._codec = codec
         self.children = []
-        self._pickler = _ItemPickler(self._out, self.children, plain_only)
+        # The encoder is the pickler's file: a pickled item is written into
+        # the same buffer.
+        self._pickler = _ItemPickler(self._encoder, self.children, plain_only)
 
     def add_bytes(self, data) -> None:
-        self._out.write(data)
-        self._offsets.append(self._out.tell())
+        self._encoder.write(data)
+        self._encoder.end_entry()
 
     def add_object(self, obj, where: str, container: str) -> None:
+        if self._codec and self._encoder.add(obj):
+            return
         try:
             self._pickler.dump(obj)
         except _NotPlain:
@@ -134,19 +188,18 @@ class _Packer:
         except Exception as exc:
             raise TypeError(
                 f"torchshm.{container}: {where} ({type(obj).__name__}) cannot be"
-                f" pickled: {exc}. Every item is pickled once into shared"
-                " memory: make it picklable, or leave it out"
+                f" pickled: {exc}. Every item is stored once in shared memory,"
+                " as a pickle when torchshm's item format cannot hold it: make"
+                " it picklable, or leave it out"
             ) from exc
         finally:
             self._pickler.clear_memo()
-        self._offsets.append(self._out.tell())
+        self._encoder.end_entry()
 
-    def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
-        """(buffer, offsets): read-only views of what was written (they keep
-        it alive), for _share to copy into shared memory once."""
-        buf = np.frombuffer(self._out.getbuffer(), dtype=np.uint8)
-        offsets = np.frombuffer(self._offsets, dtype=np.int64)
-        return _frozen(buf), _frozen(offsets)
+    def arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(buffer, offsets, string table): read-only arrays that own what
+        was written, for _share to copy into shared memory once. Once only."""
+        return tuple(_frozen(a) for a in self._encoder.finish())
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -178,92 +231,81 @@ def _check_array(container, what, arr, dtype, minimum=0):
         )
 
 
-class SharedList(collections.abc.Sequence):
-    """A read-only list whose items are pickled once into shared memory.
+def _loader(children):
+    """What reads a pickled item of a container with these children."""
+    if children:
+        return lambda data: _ItemUnpickler(data, children).load()
+    return pickle.loads
 
-    `SharedList(iterable)` pickles each item (with pickle, protocol 5) into
-    one byte buffer plus int64 offsets, both in torchshm shared memory.
-    Indexing unpickles just that item (a fresh copy per read); len, `in`,
-    iteration, slices (a SharedList over the same buffer), index, count and
-    == (with lists and SharedLists) behave as for a list. Pickling it through
-    a multiprocessing transport or torchshm.dumps sends a reference to its
-    memory; under fork, workers read it without writing a page of it. With
-    plain pickle (a file) its buffers are pickled by value.
+
+def _no_strings():
+    return _frozen(np.zeros(0, np.uint8))
+
+
+class SharedList(_C.ItemReader, collections.abc.Sequence):
+    """A read-only list whose items are stored once in shared memory.
+
+    `SharedList(iterable)` writes each item into one byte buffer plus int64
+    offsets, both in torchshm shared memory: in torchshm's item format when
+    that represents it exactly, else pickled (protocol 5; Note [Item
+    codec]). Indexing decodes just that item (a fresh copy per read); len,
+    `in`, iteration, slices (a SharedList over the same buffer), index,
+    count and == (with lists and SharedLists) behave as for a list.
+    Pickling it through a multiprocessing transport or torchshm.dumps sends
+    a reference to its memory; under fork, workers read it without writing
+    a page of it. With plain pickle (a file) its buffers are pickled by
+    value.
     """
 
+    # shared[i] and len() are _C.ItemReader's: one C call (Note [Item codec]).
     __slots__ = (
         "_buf",
         "_offsets",
+        "_strings",
+        "_table",
         "_children",
-        "_view",
-        "_off",
-        "_n",
-        "_load",
         "__weakref__",  # torchshm.dumps keeps a handle while its object lives
     )
 
     def __init__(self, iterable: Iterable[Any] = ()):
-        buf, offsets, children = _pack_list(iterable, _Packer(), "SharedList")
-        self._attach(*_share(buf, offsets), children)
+        buf, offsets, children, strings = _pack_list(iterable, _Packer(), "SharedList")
+        self._attach(*_share(buf, offsets, strings), children)
 
     @classmethod
-    def _from_arrays(cls, buf, offsets, children):
+    def _from_arrays(cls, buf, offsets, strings, children, table=None):
         self = cls.__new__(cls)
-        self._attach(buf, offsets, children)
+        self._attach(buf, offsets, strings, children, table)
         return self
 
-    def _attach(self, buf, offsets, children):
+    def _attach(self, buf, offsets, strings, children, table=None):
+        # Read once per process (and shared by slices): interned str.
+        if table is None:
+            table = _C.read_strings(strings)
+        # First: it refuses a second call, before anything here changed.
+        _C.ItemReader.__init__(
+            self, buf, offsets, table, _loader(children), label="SharedList item"
+        )
         self._buf, self._offsets, self._children = buf, offsets, children
-        self._view = memoryview(buf)
-        self._off = memoryview(offsets)
-        self._n = len(offsets) - 1
-        if children:
-            self._load = lambda data: _ItemUnpickler(data, children).load()
-        else:
-            self._load = pickle.loads
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index):
-        if type(index) is not int:
-            if isinstance(index, slice):
-                return self._slice(index)
-            try:
-                index = operator.index(index)
-            except TypeError:
-                raise TypeError(
-                    "SharedList indices must be integers or slices, not"
-                    f" {type(index).__name__}"
-                ) from None
-        if index < 0:
-            index += self._n
-        if not 0 <= index < self._n:
-            raise IndexError("SharedList index out of range")
-        off = self._off
-        return self._load(self._view[off[index] : off[index + 1]])
+        self._strings, self._table = strings, table
 
     def __iter__(self) -> Iterator[Any]:
-        view, off, load = self._view, self._off, self._load
-        start = off[0]
-        for i in range(1, self._n + 1):
-            end = off[i]
-            yield load(view[start:end])
-            start = end
+        return map(self.__getitem__, range(len(self)))
 
     def _slice(self, which: slice) -> "SharedList":
-        picked = range(self._n)[which]
+        """shared[a:b:c] (_C.ItemReader hands slices here)."""
+        picked = range(len(self))[which]
+        arrays = self._strings, self._children, self._table
         if picked.step == 1:
             # Offsets are absolute: a run of them indexes the same buffer.
             stop = max(picked.start, picked.stop)
             offsets = self._offsets[picked.start : stop + 1]
-            return SharedList._from_arrays(self._buf, offsets, self._children)
+            return SharedList._from_arrays(self._buf, offsets, *arrays)
         packer = _Packer()
-        off = self._off
+        view, off = memoryview(self._buf), memoryview(self._offsets)
         for i in picked:
-            packer.add_bytes(self._view[off[i] : off[i + 1]])
-        buf, offsets = _share(*packer.arrays())
-        return SharedList._from_arrays(buf, offsets, self._children)
+            packer.add_bytes(view[off[i] : off[i + 1]])
+        buf, offsets, _ = packer.arrays()  # the entries keep self's table
+        return SharedList._from_arrays(*_share(buf, offsets), *arrays)
 
     def __eq__(self, other):
         if not isinstance(other, (SharedList, list)):
@@ -276,17 +318,23 @@ class SharedList(collections.abc.Sequence):
 
     def __repr__(self) -> str:
         shown = [repr(item) for item in self[:_REPR_ITEMS]]
-        if self._n > _REPR_ITEMS:
-            shown.append(f"... ({self._n} items)")
+        if len(self) > _REPR_ITEMS:
+            shown.append(f"... ({len(self)} items)")
         return f"SharedList([{', '.join(shown)}])"
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its buffer and offsets (a slice shares its parent's buffer)."""
-        return self._buf.nbytes + self._offsets.nbytes
+        """Bytes of its buffer, offsets and string table (a slice shares its
+        parent's buffer)."""
+        return self._buf.nbytes + self._offsets.nbytes + self._strings.nbytes
 
     def __reduce__(self):
-        return rebuild_shared_list, (self._buf, self._offsets, self._children)
+        return rebuild_shared_list, (
+            self._buf,
+            self._offsets,
+            self._children,
+            self._strings,
+        )
 
     _refuse = _read_only(
         "{} is read-only (its items live once, in shared memory): build a new"
@@ -298,28 +346,35 @@ class SharedList(collections.abc.Sequence):
 
 
 def _pack_list(items, packer, name):
-    """(buffer, offsets, children) of a SharedList of `items`."""
+    """(buffer, offsets, children, string table) of a SharedList of `items`:
+    rebuild_shared_list's arguments."""
     for i, item in enumerate(items):
         packer.add_object(item, f"item {i}", name)
-    return (*packer.arrays(), tuple(packer.children))
+    buf, offsets, strings = packer.arrays()
+    return buf, offsets, tuple(packer.children), strings
 
 
-def rebuild_shared_list(buf, offsets, children=()):
-    """Unpickles a SharedList (its name never changes: pickles name it)."""
+def rebuild_shared_list(buf, offsets, children=(), strings=None):
+    """Unpickles a SharedList (its name never changes: pickles name it).
+    Pickles from before the item format have no string table."""
     _check_array("SharedList", "buffer", buf, np.uint8)
     _check_array("SharedList", "offsets", offsets, np.int64, 1)
-    return SharedList._from_arrays(_frozen(buf), _frozen(offsets), tuple(children))
+    if strings is None:
+        strings = _no_strings()
+    _check_array("SharedList", "string table", strings, np.uint8)
+    arrays = (_frozen(a) for a in (buf, offsets, strings))
+    return SharedList._from_arrays(*arrays, tuple(children))
 
 
 class SharedDict(collections.abc.Mapping):
-    """A read-only dict whose values are pickled once into shared memory.
+    """A read-only dict whose values are stored once in shared memory.
 
     Keys are str, int, bytes, None or tuples of these (Note [SharedDict
     keys] in _keys.py); `d[key]`, `in`, get, len, iteration, keys(),
     values(), items() and == behave as for a dict, in insertion order, with
     O(1) average lookup through a hash index that is in shared memory too.
-    Reading a value unpickles just that value. Pickling it sends a reference
-    to its memory, as for SharedList.
+    Reading a value decodes just that value (as SharedList reads an item).
+    Pickling it sends a reference to its memory, as for SharedList.
     """
 
     __slots__ = (
@@ -327,6 +382,7 @@ class SharedDict(collections.abc.Mapping):
         "_offsets",
         "_starts",
         "_slots",
+        "_strings",
         "_children",
         "_view",
         "_off",
@@ -334,7 +390,7 @@ class SharedDict(collections.abc.Mapping):
         "_slotv",
         "_mask",
         "_n",
-        "_load",
+        "_reader",
         "__weakref__",
     )
 
@@ -342,10 +398,13 @@ class SharedDict(collections.abc.Mapping):
         source = mapping if type(mapping) is dict and not kwargs else None
         if source is None:
             source = dict(mapping, **kwargs)
-        buf, offsets, starts, slots, children = _pack_dict(
+        buf, offsets, starts, slots, children, strings = _pack_dict(
             source, _Packer(), "SharedDict"
         )
-        self._attach(*_share(buf, offsets, starts, slots), children)
+        buf, offsets, starts, slots, strings = _share(
+            buf, offsets, starts, slots, strings
+        )
+        self._attach(buf, offsets, starts, slots, children, strings)
 
     @classmethod
     def _from_arrays(cls, *arrays):
@@ -353,17 +412,24 @@ class SharedDict(collections.abc.Mapping):
         self._attach(*arrays)
         return self
 
-    def _attach(self, buf, offsets, starts, slots, children):
+    def _attach(self, buf, offsets, starts, slots, children, strings):
         self._buf, self._offsets = buf, offsets
         self._starts, self._slots, self._children = starts, slots, children
+        self._strings = strings
         self._view, self._off = memoryview(buf), memoryview(offsets)
         self._startv, self._slotv = memoryview(starts), memoryview(slots)
         self._mask = len(starts) - 2
         self._n = len(slots)
-        if children:
-            self._load = lambda data: _ItemUnpickler(data, children).load()
-        else:
-            self._load = pickle.loads
+        # Entry j's value is buffer entry 2j + 1 (its key encoding is 2j).
+        self._reader = _C.ItemReader(
+            buf,
+            offsets,
+            _C.read_strings(strings),
+            _loader(children),
+            stride=2,
+            first=1,
+            label="SharedDict value",
+        )
 
     def _find(self, key) -> int:
         """The entry number of `key`, or -1."""
@@ -384,8 +450,7 @@ class SharedDict(collections.abc.Mapping):
         return -1
 
     def _value(self, entry: int):
-        j = 2 * entry + 1
-        return self._load(self._view[self._off[j] : self._off[j + 1]])
+        return self._reader[entry]
 
     def __getitem__(self, key):
         entry = self._find(key)
@@ -409,9 +474,7 @@ class SharedDict(collections.abc.Mapping):
             yield _keys.decode(view[off[j] : off[j + 1]])
 
     def _values(self) -> Iterator[Any]:
-        view, off, load = self._view, self._off, self._load
-        for j in range(1, 2 * self._n, 2):
-            yield load(view[off[j] : off[j + 1]])
+        return map(self._reader.__getitem__, range(self._n))
 
     def keys(self):
         return collections.abc.KeysView(self)
@@ -433,8 +496,8 @@ class SharedDict(collections.abc.Mapping):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its buffer, offsets and key index."""
-        arrays = (self._buf, self._offsets, self._starts, self._slots)
+        """Bytes of its buffer, offsets, key index and string table."""
+        arrays = (self._buf, self._offsets, self._starts, self._slots, self._strings)
         return sum(a.nbytes for a in arrays)
 
     def __reduce__(self):
@@ -444,6 +507,7 @@ class SharedDict(collections.abc.Mapping):
             self._starts,
             self._slots,
             self._children,
+            self._strings,
         )
 
     _refuse = _read_only(
@@ -470,9 +534,10 @@ class _Items(collections.abc.ItemsView):
 
 
 def _pack_dict(source: dict, packer: _Packer, name: str):
-    """(buffer, offsets, starts, slots, children) of a SharedDict of
-    `source`: entry j's key encoding is entry 2j of the buffer, its pickled
-    value entry 2j + 1; starts and slots are the key index."""
+    """(buffer, offsets, starts, slots, children, string table) of a
+    SharedDict of `source` (rebuild_shared_dict's arguments): entry j's key
+    encoding is entry 2j of the buffer, its value entry 2j + 1; starts and
+    slots are the key index."""
     hashes = array.array("Q")
     for key, value in source.items():
         encoded = _keys.encode(key)
@@ -480,23 +545,32 @@ def _pack_dict(source: dict, packer: _Packer, name: str):
         packer.add_bytes(encoded)
         packer.add_object(value, f"the value of key {key!r}", name)
     starts, slots = _keys.build_index(np.frombuffer(hashes, dtype=np.uint64))
-    return (*packer.arrays(), starts, slots, tuple(packer.children))
+    buf, offsets, strings = packer.arrays()
+    return buf, offsets, starts, slots, tuple(packer.children), strings
 
 
-def rebuild_shared_dict(buf, offsets, starts, slots, children=()):
-    """Unpickles a SharedDict (its name never changes: pickles name it)."""
+def rebuild_shared_dict(buf, offsets, starts, slots, children=(), strings=None):
+    """Unpickles a SharedDict (its name never changes: pickles name it).
+    Pickles from before the item format have no string table."""
+    if strings is None:
+        strings = _no_strings()
     _check_array("SharedDict", "buffer", buf, np.uint8)
     _check_array("SharedDict", "offsets", offsets, np.int64, 1)
     _check_array("SharedDict", "buckets", starts, np.int64, 2)
     _check_array("SharedDict", "slots", slots, np.int64)
+    _check_array("SharedDict", "string table", strings, np.uint8)
     buckets = len(starts) - 1
     if len(offsets) != 2 * len(slots) + 1 or buckets & (buckets - 1):
         raise ValueError(
             f"torchshm: inconsistent SharedDict arrays: {len(offsets)} offsets,"
             f" {len(slots)} entries, {buckets} buckets"
         )
-    arrays = (_frozen(a) for a in (buf, offsets, starts, slots))
-    return SharedDict._from_arrays(*arrays, tuple(children))
+    buf, offsets, starts, slots, strings = (
+        _frozen(a) for a in (buf, offsets, starts, slots, strings)
+    )
+    return SharedDict._from_arrays(
+        buf, offsets, starts, slots, tuple(children), strings
+    )
 
 
 REBUILDS = (rebuild_shared_list, rebuild_shared_dict)

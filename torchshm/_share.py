@@ -13,7 +13,7 @@ T = TypeVar("T")
 # Note [Which containers share() converts]: below about a thousand items a
 # list costs a worker less than a hundred KiB however it is copied, against
 # the tens of MiB of the worker's own interpreter; converting it would only
-# add an unpickle per read and change its type for nothing.
+# add a decode per read and change its type for nothing.
 CONTAINER_MIN_ITEMS = 1000
 
 
@@ -30,7 +30,7 @@ def share(
     With `containers=True`, every list and dict in the graph (a Dataset's
     attributes included) with at least `min_items` items of plain Python
     objects becomes a read-only torchshm.SharedList or SharedDict: its items
-    are pickled once into shared memory, so workers neither copy them nor
+    are stored once in shared memory, so workers neither copy them nor
     write their pages (the copy-on-read problem). A list or dict stays as it
     is when its items hold an array at or above the threshold or a tensor
     (those are shared as they are), or, for a dict, when a key is not a str,

@@ -18,7 +18,7 @@ Columns: total PSS of the main process and its workers at the end of each
 epoch, read once every worker has finished reading (PSS is a snapshot);
 worker start (epoch 1, from iter(loader) until the last worker began
 reading); records read per second, all workers together (epoch 2); CPU time
-of a worker per record read (epoch 2: index, unpickle for a SharedList, and
+of a worker per record read (epoch 2: index, decode for a SharedList, and
 reading every field).
 
 TORCHSHM_BENCH_RECORDS sets the number of records (default 500,000;
@@ -219,7 +219,7 @@ def run(quick, bar):
             " share, which other processes of the machine move (Note [PSS of"
             " libraries]). Ratio: SharedList against its buffers + the empty"
             " run (in parentheses: without file pages). Worker start: epoch 1."
-            " Records/s and CPU per record (index, unpickle, read every field):"
+            " Records/s and CPU per record (index, decode, read every field):"
             " epoch 2.",
         ],
     )
