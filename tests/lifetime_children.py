@@ -121,6 +121,10 @@ class _Stall:
         raise AssertionError("not killed")
 
 
+def send_and_exit(conn, nbytes):
+    conn.send(np.full(nbytes // 8, 1.0))
+
+
 def send_stalled(conn, nbytes, ready):
     """Sends an array and a _Stall in one message: dies while pickling."""
     conn.send([np.full(nbytes // 8, 1.0), _Stall(ready)])

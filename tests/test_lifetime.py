@@ -545,6 +545,32 @@ def test_a_sender_killed_while_pickling_frees_its_message():
         writer.close()
 
 
+def test_a_message_written_before_its_segment_is_registered_still_dies():
+    # A new process registers its first segment on a connection the keeper
+    # may not have read yet (not even accepted) when it scans the flags that
+    # the message's ticket raised: the keeper must look again at the next
+    # scan, or the unread message's memory stays until the session ends.
+    # Stopping the keeper makes that order certain.
+    before = session_segments()
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    keeper = _session.keeper_pid()
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        p = ctx.Process(target=lifetime_children.send_and_exit, args=(writer, 1 << 20))
+        p.start()
+        p.join(TIMEOUT)
+        assert p.exitcode == 0
+        time.sleep(1.5 * _keeper.SCAN_SECONDS)  # a scan is due when it wakes
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    reader.close()  # unread: its ticket dies with the pipe
+    writer.close()
+    assert wait_until(lambda: not (session_segments() - before), 10), sorted(
+        session_segments() - before
+    )
+
+
 def test_a_sender_killed_after_its_write_still_delivers(ctx):
     reader, writer = ctx.Pipe(duplex=False)
     ready = ctx.Queue()

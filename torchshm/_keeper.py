@@ -430,7 +430,12 @@ class Keeper:
             self.table.clear_flag(index)  # before looking (csrc/table.h)
             uid = self.by_index.get(index)
             if uid is None:
-                continue  # never registered, or closed already
+                # Claimed, but its registration not read yet: it may wait on
+                # a connection not even accepted. Look again next scan, until
+                # it comes or forget_unregistered frees the index.
+                if self.table.uids[index]:
+                    self.table.set_flag(index, bits)
+                continue
             entry = self.by_uid[uid]
             header = read_header(entry.fd)
             if header is None:
