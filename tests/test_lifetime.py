@@ -555,6 +555,7 @@ def test_a_message_written_before_its_segment_is_registered_still_dies():
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
     keeper = _session.keeper_pid()
+    assert keeper > 0  # os.kill(0, ...) would stop this process group
     os.kill(keeper, signal.SIGSTOP)
     try:
         p = ctx.Process(target=lifetime_children.send_and_exit, args=(writer, 1 << 20))

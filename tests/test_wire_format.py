@@ -40,6 +40,18 @@ STORED = sorted(f for f in os.listdir(DATA) if f.startswith("wire_format_"))
 CONTAINERS = sorted(f for f in os.listdir(DATA) if f.startswith("containers_"))
 
 
+def _save(path, record):
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def _stored_file(name):
+    """The record of a stored file of tests/data."""
+    with open(os.path.join(DATA, name)) as f:
+        return json.load(f)
+
+
 def _cases():
     """(name, object) pairs whose pickles the stored files hold."""
     base = np.arange(24, dtype="<i4").reshape(4, 6)  # numpy drops ">" here
@@ -69,15 +81,12 @@ def write(path):
             "f_contiguous": bool(value.flags.f_contiguous),
         }
     record["handle"] = torchshm.dumps({"x": np.full(1 << 17, 3.0)}).hex()
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    _save(path, record)
 
 
 @pytest.fixture(params=STORED)
 def stored(request):
-    with open(os.path.join(DATA, request.param)) as f:
-        return json.load(f)
+    return _stored_file(request.param)
 
 
 def _load(hexed):
@@ -147,15 +156,12 @@ def write_containers(path):
     for name, container in _container_cases():
         record["pickles"][name] = pickle.dumps(container, 5).hex()
         record["expected"][name] = pickle.dumps(_plain(container), 5).hex()
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    _save(path, record)
 
 
 @pytest.fixture(params=CONTAINERS)
 def stored_containers(request):
-    with open(os.path.join(DATA, request.param)) as f:
-        return request.param, json.load(f)
+    return request.param, _stored_file(request.param)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in _container_cases()])
