@@ -11,6 +11,17 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+
+def cxx_standard_flags():
+    """No -std= flag where cpp_extension's own choice is right: it appends the
+    standard its torch's headers need (C++17 on torch 2.0-2.13, C++20 from
+    2.14, whose ATen.h errors below it) only when no -std= is passed, so an
+    explicit flag would win over it. torch 1.x picks C++14, below what csrc/
+    is written in."""
+    major = int(torch.__version__.split(".")[0])
+    return ["-std=c++17"] if major < 2 else []
+
+
 # Recorded so that an import against another torch names both versions.
 with open(os.path.join(HERE, "torchshm", "_build_info.json"), "w") as f:
     json.dump({"torch": torch.__version__, "numpy": numpy.__version__}, f)
@@ -27,7 +38,11 @@ setup(
             ],
             # -g0: no debug info for torch's headers, which every file
             # includes (a fifth to a third of the compile time, measured).
-            extra_compile_args=["-O3", "-g0", "-std=c++17"],
+            # -fvisibility=hidden, as pybind11 asks of its modules: pybind11
+            # 3 (torch 2.14 bundles it) hides its own types, and a type of
+            # ours that holds a py::object must not be more visible.
+            extra_compile_args=["-O3", "-g0", "-fvisibility=hidden"]
+            + cxx_standard_flags(),
             libraries=["rt"],
         )
     ],

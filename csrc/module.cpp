@@ -356,7 +356,7 @@ PYBIND11_MODULE(_C, m) {
               py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
   testing.def(
       "place",
-      [](py::handle array) {
+      [](py::handle array) -> py::tuple {
         torchshm::Message message;
         torchshm::Placement p = message.plan.place(array);
         const char* kinds[] = {"segment", "torch_owned", "copied"};

@@ -37,8 +37,18 @@ _TYPES = {
 }
 
 
+# pybind11 3 (bundled with torch 2.14) spells a parameter by what it accepts
+# (typing.SupportsInt | typing.SupportsIndex, collections.abc.Sequence[int]);
+# the Debian lanes' pybind11 2 writes int, float and list[int].
+_ACCEPTS = re.compile(
+    r"typing\.Supports(Int|Float)(?: \| typing\.SupportsIndex)?"
+    r"|collections\.abc\.(Sequence)\["
+)
+
+
 def _clean(text):
     text = text.replace("torchshm._C.testing.", "").replace("torchshm._C.", "")
+    text = _ACCEPTS.sub(lambda m: m[1].lower() if m[1] else "list[", text)
     # pybind11 before 2.12 writes List[int], later list[int] (Debian 12's
     # torch against Debian 13's): one spelling, valid in any stub.
     text = re.sub(r"\b(List|Tuple|Dict)\[", lambda m: m[1].lower() + "[", text)
