@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "config.h"
+#include "errors.h"
 #include "numpy_api.h"
 
 namespace torchshm {
@@ -32,19 +33,15 @@ thread_local bool in_source = false;
 // while one propagates) out of reach of the Python code run meanwhile.
 class PythonGuard {
  public:
-  PythonGuard() : gil_(PyGILState_Ensure()) {
-    PyErr_Fetch(&type_, &value_, &traceback_);
-  }
+  PythonGuard() : gil_(PyGILState_Ensure()), pending_(fetch_error()) {}
   ~PythonGuard() {
-    PyErr_Restore(type_, value_, traceback_);
+    restore_error(pending_);
     PyGILState_Release(gil_);
   }
 
  private:
   PyGILState_STATE gil_;
-  PyObject* type_;
-  PyObject* value_;
-  PyObject* traceback_;
+  PyObject* pending_;
 };
 
 // A born block of `size` bytes, or nullptr when the source declines. Call

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "errors.h"
 #include "numpy_api.h"
 
 namespace torchshm {
@@ -539,33 +540,6 @@ PyObject* Decoder::value(int depth) {
       return dict(depth);
   }
   return fail("an unknown value tag", at);
-}
-
-// The pending exception, normalized, with its traceback (nullptr if none);
-// the error indicator is cleared. PyErr_Fetch is deprecated from 3.12.
-PyObject* fetch_error() {
-#if PY_VERSION_HEX >= 0x030C0000
-  return PyErr_GetRaisedException();
-#else
-  PyObject *type, *error, *trace;
-  PyErr_Fetch(&type, &error, &trace);
-  if (type == nullptr) return nullptr;
-  PyErr_NormalizeException(&type, &error, &trace);
-  if (trace != nullptr) PyException_SetTraceback(error, trace);
-  Py_DECREF(type);
-  Py_XDECREF(trace);
-  return error;
-#endif
-}
-
-// Raises `error` (a reference stolen).
-void restore_error(PyObject* error) {
-#if PY_VERSION_HEX >= 0x030C0000
-  PyErr_SetRaisedException(error);
-#else
-  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(error))), error,
-                PyException_GetTraceback(error));
-#endif
 }
 
 // Raises ValueError(message) for a corrupted entry; a pending error becomes

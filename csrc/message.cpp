@@ -320,12 +320,7 @@ PyObject* reduce_with_token(PyObject* obj, PyObject* token) {
 // and the like), which must propagate.
 PyObject* fall_back(PyObject* obj) {
   if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyErr_NormalizeException(&type, &value, &traceback);
-  if (traceback != nullptr) PyException_SetTraceback(value, traceback);
-  Py_XDECREF(type);
-  Py_XDECREF(traceback);
+  PyObject* value = fetch_error();
   PyObject* out = call_hook(config().hooks.fall_back, obj, value);
   Py_XDECREF(value);
   return out;
