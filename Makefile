@@ -1,23 +1,31 @@
-# On a fresh Debian 12 machine as root, `make test` and `make bench` install
-# what they need from Debian, create .venv and build torchshm into it.
-# `make test-modern` runs the suite again on Debian 13 (torch 2.x, numpy 2.x,
-# Python 3.13) in a cached chroot: see scripts/modern_lane.sh.
+# The README's lane is the pip stack users install: `make test` and `make
+# bench` create .venv from `python3` on PATH, install requirements/pip.txt
+# (pinned exactly, with requirements/constraints.txt for what it pulls in) and
+# build torchshm into it with --no-build-isolation.
+# `make test-debian12` and `make test-debian13` run the suite on Debian's own
+# torch, numpy and Python (the oldest and a middle stack), on the host when it
+# is that release and in a cached chroot otherwise: scripts/debian_lane.sh.
 SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Marks a .venv made by this Makefile for the pip stack (an older checkout's
+# .venv was Debian's Python with system site packages: it is made anew).
+MADE := $(VENV)/.pip-stack
+STACK := $(VENV)/.pip-stack-installed
 BUILT := $(VENV)/.torchshm-built
-DEBS := python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11 \
-	python3-venv python3-pip python3-setuptools python3-wheel g++ ninja-build \
-	python3-pandas python3-xarray python3-pytest python3-pytest-timeout \
-	python3-hypothesis python3-psutil python3-tqdm python3-matplotlib \
-	python3-nbclient python3-nbformat python3-ipykernel python3-portalocker \
-	python3-build python3-pytest-xdist
+REQUIREMENTS := requirements/pip.txt requirements/constraints.txt
+# Compilers for the extension; util-linux for the unshare tests.
+DEBS := g++ util-linux
 LINT_DEBS := black flake8 clang-format
-# The Debian 13 lane's host side; its own packages are listed in the script.
-MODERN_DEBS := debootstrap util-linux
+LANE_DEBS := debootstrap util-linux
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
+# This machine's pip configuration lists local package folders, one warning
+# for each package they lack.
+QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: deps build test test-modern bench lint format clean
+.PHONY: deps build test test-debian12 test-debian13 bench lint format lock clean
 
 # Installs only the Debian packages that are missing.
 define apt_install
@@ -34,11 +42,19 @@ endef
 deps:
 	$(call apt_install,$(DEBS))
 
-$(PY): | deps
-	/usr/bin/python3 -m venv --system-site-packages $(VENV)
+$(MADE): | deps
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	touch $@
 
-$(BUILT): $(SOURCES) | $(PY)
-	MAX_JOBS=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps --no-index -e .
+$(STACK): $(REQUIREMENTS) | $(MADE)
+	$(PY) -m pip install -q -r requirements/pip.txt -c requirements/constraints.txt \
+		2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(BUILT): $(SOURCES) $(STACK)
+	MAX_JOBS=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps \
+		--no-index -e . 2>&1 | $(QUIET_PIP)
 	touch $@
 
 build: deps $(BUILT)
@@ -50,18 +66,29 @@ TEST_WORKERS ?= 2
 test: build
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
-test-modern:
-	$(call apt_install,$(MODERN_DEBS))
-	scripts/modern_lane.sh
+test-debian12 test-debian13: test-debian%:
+	$(call apt_install,$(LANE_DEBS))
+	scripts/debian_lane.sh $*
 
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-lint: deps
+# Pins what requirements/pip.txt pulls in, from a scratch venv.
+lock: | deps
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q -r requirements/pip.txt 2>&1 | $(QUIET_PIP)
+	top=$$(grep -Eo '^[A-Za-z0-9_.-]+' requirements/pip.txt | paste -sd'|'); \
+	{ echo "# What requirements/pip.txt pulls in, pinned: written by \`make lock\`."; \
+	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
+	} >requirements/constraints.txt
+	rm -rf .venv-lock
+
+lint:
 	$(call apt_install,$(LINT_DEBS))
 	black --check --quiet torchshm tests benchmarks scripts setup.py
 	flake8 torchshm tests benchmarks scripts setup.py
-	bash -n scripts/modern_lane.sh
+	bash -n scripts/debian_lane.sh
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:

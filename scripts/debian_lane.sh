@@ -1,14 +1,22 @@
 #!/bin/bash
-# The Debian 13 (trixie) lane: torch 2.x, numpy 2.x, Python 3.13 (`make test-modern`).
+# A Debian lane: the suite on Debian's own torch, numpy and Python, the oldest
+# and a middle stack users may still run (`make test-debian12`, `make
+# test-debian13`).
 #
-# 1. On first use, builds a trixie root with debootstrap (its default mirror)
-#    and installs PACKAGES in it. The root is cached outside the clone, named
-#    after a hash of its recipe, so that a changed package list builds a new
-#    one; it is built in a temporary directory and renamed into place only
+#   scripts/debian_lane.sh 12   bookworm: torch 1.13, numpy 1.24, Python 3.11
+#   scripts/debian_lane.sh 13   trixie: torch 2.6, numpy 2.2, Python 3.13
+#
+# On a host of that release (and TORCHSHM_LANE_CHROOT unset) it installs
+# PACKAGES with apt on the host. Otherwise:
+# 1. On first use, builds a root of that release with debootstrap (its default
+#    mirror) and installs PACKAGES in it. The root is cached outside the clone,
+#    named after a hash of its recipe, so that a changed package list builds a
+#    new one; it is built in a temporary directory and renamed into place only
 #    once complete, so a failed bootstrap never leaves a root that looks valid.
-# 2. Copies this checkout's source files (tracked and untracked-not-ignored)
-#    into a scratch tmpfs inside the root, builds torchshm there in a venv over
-#    the root's system torch, and runs the whole test suite.
+# 2. Either way, copies this checkout's source files (tracked and
+#    untracked-not-ignored) into a scratch tmpfs (inside the root), builds
+#    torchshm there in a venv over the system torch, and runs the whole suite.
+#    The checkout itself is never built into: its .venv is the pip lane's.
 #
 # Every stage runs in its own mount namespace (unshare -m), made private
 # before anything is mounted: the bind mounts of /proc, /sys, /dev and
@@ -17,33 +25,44 @@
 # mounted read-only while the suite runs, so tests cannot change it.
 #
 # Environment: TORCHSHM_LANE_CACHE (default /var/cache/torchshm),
+# TORCHSHM_LANE_CHROOT (1: a chroot even on a host of that release),
 # TORCHSHM_VENDOR (default ../shared/vendor, next to the clone),
-# PYTEST_ARGS (default -q), TORCHSHM_LANE_COMMAND (a shell command to run in
-# the built checkout instead of the suite, with the lane's venv on PATH).
+# PYTEST_ARGS (default -q -n 2), TORCHSHM_LANE_COMMAND (a shell command to run
+# in the built checkout instead of the suite, with the lane's venv on PATH).
 set -euo pipefail
 
-SUITE=trixie
-# The lane's Debian packages: the Debian 12 lane's (Makefile DEBS) plus
-# python3-build for the sdist test and util-linux/mount for the unshare tests.
+RELEASE=${1:-}
+case "$RELEASE" in
+12) SUITE=bookworm ;;
+13) SUITE=trixie ;;
+__bootstrap | __test) ;;  # stages: the release comes in the environment
+*)
+    echo "usage: $0 12|13" >&2
+    exit 2
+    ;;
+esac
+# The lane's Debian packages, the same on both releases: the suite's
+# dependencies, python3-build for the sdist test, util-linux and mount for the
+# unshare tests.
 PACKAGES=(
     python3-torch libtorch-dev python3-dev python3-numpy python3-pybind11
     python3-venv python3-pip python3-setuptools python3-wheel python3-build
     g++ ninja-build python3-pandas python3-xarray python3-pytest
-    python3-pytest-timeout python3-hypothesis python3-psutil python3-tqdm
-    python3-matplotlib python3-nbclient python3-nbformat python3-ipykernel
-    python3-portalocker util-linux mount
+    python3-pytest-timeout python3-pytest-xdist python3-hypothesis
+    python3-psutil python3-tqdm python3-matplotlib python3-nbclient
+    python3-nbformat python3-ipykernel python3-portalocker util-linux mount
 )
 # Bump when the way the root is made changes (not only its package list).
 RECIPE_VERSION=1
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-SELF="$REPO/scripts/modern_lane.sh"
+SELF="$REPO/scripts/debian_lane.sh"
 CACHE=${TORCHSHM_LANE_CACHE:-/var/cache/torchshm}
 VENDOR=${TORCHSHM_VENDOR:-$(cd "$REPO/.." && pwd)/shared/vendor}
-HASH=$(printf '%s\n' "$SUITE" "$RECIPE_VERSION" "${PACKAGES[@]}" | sha256sum | cut -c1-16)
-ROOT="$CACHE/$SUITE-$HASH"
 
-log() { printf '[modern lane] %s\n' "$*" >&2; }
+log() { printf '[debian %s lane] %s\n' "${LANE_RELEASE:-$RELEASE}" "$*" >&2; }
+
+host_release() { cut -d. -f1 /etc/debian_version 2>/dev/null; }
 
 # Refuses to delete anything that still has a mount under it.
 remove_tree() {
@@ -62,7 +81,7 @@ lane_processes() {
     local ns pid
     ns=$(readlink /proc/$$/ns/mnt)
     for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-        [ "$pid" = $$ ] && continue
+        [ "$pid" = $$ ] || [ "$pid" = "$BASHPID" ] && continue
         [ "$(readlink "/proc/$pid/ns/mnt" 2>/dev/null)" = "$ns" ] || continue
         [ "$(readlink "/proc/$pid/root" 2>/dev/null)" = "$1" ] || continue
         echo "$pid"
@@ -166,19 +185,26 @@ ensure_root() {
 }
 
 # --- stage 2 (in its own namespace): build torchshm and run the suite ---------
+# ROOT is the cached root for a chroot, "/" on a host of the lane's release.
 inside_test() {
-    local root=$ROOT lane=$ROOT/lane status=0
+    local root=$ROOT lane status=0
     mount --make-rprivate /
-    # The root becomes a mount point of its own: inside the chroot, `unshare -m`
-    # (tests/test_limits.py) can then make "/" private. Read-only: the cache
-    # stays as built.
-    mount --bind "$root" "$root"
-    mount -o remount,bind,ro "$root"
-    bind_system "$root"
-    local d
-    for d in tmp var/tmp root lane; do
-        mount -t tmpfs -o mode=1777 tmpfs "$root/$d"
-    done
+    if [ "$root" = / ]; then
+        lane=$(mktemp -d /tmp/torchshm-debian"$LANE_RELEASE".XXXXXX)
+    else
+        lane=$root/lane
+        # The root becomes a mount point of its own: inside the chroot, `unshare
+        # -m` (tests/test_limits.py) can then make "/" private. Read-only: the
+        # cache stays as built.
+        mount --bind "$root" "$root"
+        mount -o remount,bind,ro "$root"
+        bind_system "$root"
+        local d
+        for d in tmp var/tmp root; do
+            mount -t tmpfs -o mode=1777 tmpfs "$root/$d"
+        done
+    fi
+    mount -t tmpfs -o mode=1777 tmpfs "$lane"
     mkdir -p "$lane/main" "$lane/shared"
     if [ -d "$VENDOR" ]; then
         mkdir -p "$lane/shared/vendor"
@@ -188,32 +214,38 @@ inside_test() {
         log "no vendored torchdata at $VENDOR: its tests will skip"
     fi
     copy_sources "$lane/main"
-    cat >"$lane/run.sh" <<'EOF'
+    local inner=${lane#"${root%/}"}  # the lane's path as seen inside the root
+    cat >"$lane/run.sh" <<'EOF2'
 set -euo pipefail
-cd /lane/main
-python3 -m venv --system-site-packages /lane/venv
+cd "$LANE/main"
+/usr/bin/python3 -m venv --system-site-packages "$LANE/venv"
 start=$SECONDS
-MAX_JOBS=$(nproc) /lane/venv/bin/python -m pip install -q --no-build-isolation \
+MAX_JOBS=$(nproc) "$LANE/venv/bin/python" -m pip install -q --no-build-isolation \
     --no-deps --no-index --no-cache-dir -e .
-echo "[modern lane] built torchshm in $((SECONDS - start)) s" >&2
-/lane/venv/bin/python - <<'PY'
-import sys, numpy, pandas, torch, xarray
-print(f"[modern lane] Python {sys.version.split()[0]}, torch {torch.__version__},"
-      f" numpy {numpy.__version__}, pandas {pandas.__version__},"
-      f" xarray {xarray.__version__}", file=sys.stderr)
+echo "[debian $LANE_RELEASE lane] built torchshm in $((SECONDS - start)) s" >&2
+"$LANE/venv/bin/python" - <<'PY'
+import os, sys, numpy, pandas, torch, xarray
+print(f"[debian {os.environ['LANE_RELEASE']} lane] Python {sys.version.split()[0]},"
+      f" torch {torch.__version__}, numpy {numpy.__version__},"
+      f" pandas {pandas.__version__}, xarray {xarray.__version__}", file=sys.stderr)
 PY
 if [ -n "$LANE_COMMAND" ]; then
-    PATH=/lane/venv/bin:$PATH exec /bin/bash -c "$LANE_COMMAND"
+    PATH=$LANE/venv/bin:$PATH exec /bin/bash -c "$LANE_COMMAND"
 fi
 start=$SECONDS
 status=0
-/lane/venv/bin/python -m pytest -p no:cacheprovider $PYTEST_ARGS || status=$?
-echo "[modern lane] test suite: $((SECONDS - start)) s" >&2
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+"$LANE/venv/bin/python" -m pytest -p no:cacheprovider $PYTEST_ARGS || status=$?
+echo "[debian $LANE_RELEASE lane] test suite: $((SECONDS - start)) s" >&2
 exit $status
-EOF
-    chroot_run "$root" PYTEST_ARGS="${PYTEST_ARGS:--q}" \
-        LANE_COMMAND="${TORCHSHM_LANE_COMMAND:-}" /bin/bash /lane/run.sh || status=$?
+EOF2
+    chroot_run "$root" LANE="$inner" LANE_RELEASE="$LANE_RELEASE" \
+        PYTEST_ARGS="${PYTEST_ARGS:--q -n 2}" \
+        LANE_COMMAND="${TORCHSHM_LANE_COMMAND:-}" /bin/bash "$inner/run.sh" || status=$?
     end_namespace_processes "$root"
+    if [ "$root" = / ]; then
+        umount -R "$lane" && rmdir "$lane"
+    fi
     return $status
 }
 
@@ -231,21 +263,41 @@ copy_sources() {  # the files git would commit, as they are in the worktree
     fi
 }
 
-case "${1:-}" in
+# On the host: only the packages that are missing.
+install_on_host() {
+    local missing=() p
+    for p in "${PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' ||
+            missing+=("$p")
+    done
+    if [ "${#missing[@]}" != 0 ]; then
+        log "installing Debian packages: ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >/dev/null
+    fi
+}
+
+case "$RELEASE" in
 __bootstrap) inside_bootstrap "$2" ;;
 __test) inside_test ;;
-"")
+*)
     if [ "$(id -u)" != 0 ]; then
-        log "needs root (debootstrap, chroot, mounts)"
+        log "needs root (apt, mounts; debootstrap and chroot on another release)"
         exit 1
     fi
     start=$SECONDS
-    ensure_root
+    export LANE_RELEASE=$RELEASE SUITE
+    if [ "$(host_release)" = "$RELEASE" ] && [ -z "${TORCHSHM_LANE_CHROOT:-}" ]; then
+        log "on this Debian $RELEASE host"
+        install_on_host
+        export ROOT=/
+    else
+        HASH=$(printf '%s\n' "$SUITE" "$RECIPE_VERSION" "${PACKAGES[@]}" | sha256sum | cut -c1-16)
+        export ROOT="$CACHE/$SUITE-$HASH"
+        ensure_root
+    fi
     unshare --mount --propagation private -- "$SELF" __test
     log "lane wall time $((SECONDS - start)) s"
-    ;;
-*)
-    echo "usage: $0" >&2
-    exit 2
     ;;
 esac
