@@ -75,7 +75,7 @@ def assert_same_array(received, sent, keep_strides=True):
     assert received.dtype == sent.dtype and received.dtype.str == sent.dtype.str
     assert received.dtype.descr == sent.dtype.descr
     assert received.shape == sent.shape
-    assert _content(received) == _content(sent)
+    assert value_bytes(received) == value_bytes(sent)
     assert received.flags.writeable == sent.flags.writeable
     if not sent.size:
         return  # numpy's constructors zero an empty array's strides
@@ -92,10 +92,12 @@ def assert_same_array(received, sent, keep_strides=True):
         )
 
 
-def _content(a):
-    """The element bytes, without padding (numpy copies do not keep padding)."""
+def value_bytes(a):
+    """The element bytes, without padding, nested structures' included: numpy
+    copies do not keep padding (numpy 2.4's tobytes() of a strided structured
+    array does not either)."""
     if a.dtype.names:
-        return [a[name].tobytes() for name in a.dtype.names]
+        return [value_bytes(a[name]) for name in a.dtype.names]
     return a.tobytes()
 
 

@@ -647,8 +647,22 @@ def test_fork_then_exec_leaves_no_holders():
     assert seg.holders == 1
 
 
+def _nobody_cannot_run_this_python():
+    """Why uid 65534 cannot start this interpreter, or None. The pip lane's
+    venv links to a Python under /root (mode 0700): the child, run as 65534,
+    starts the keeper with sys.executable."""
+    reason = _root_with("setpriv")
+    if reason is None and subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        + ["test", "-x", sys.executable]
+    ).returncode:
+        reason = f"uid 65534 cannot run {os.path.realpath(sys.executable)}"
+    return reason
+
+
 @pytest.mark.skipif(
-    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
+    _nobody_cannot_run_this_python() is not None,
+    reason=str(_nobody_cannot_run_this_python()),
 )
 def test_a_copy_whose_threads_cannot_start_still_completes():
     env = dict(os.environ, PYTHONPATH=ROOT)
