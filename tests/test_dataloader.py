@@ -77,8 +77,13 @@ def test_batches_are_stacked_into_one_segment(ctx, no_leaks):
         assert_equal(batch["frame"], [s["frame"] for s in samples])
         # xarray: what xarray.concat makes, with the batch dimension first.
         for kind in ("dataset", "dataarray"):
+            # Today's defaults, named: xarray 2025.08+ warns that they change.
             expected = xr.concat(
-                [s[kind] for s in samples], "batch", coords="different"
+                [s[kind] for s in samples],
+                "batch",
+                coords="different",
+                compat="equals",
+                join="outer",
             )
             xr.testing.assert_identical(batch[kind], expected.transpose("batch", ...))
         # One segment holds the batch's stacked arrays: they have one owner.
@@ -250,3 +255,56 @@ def test_workers_register_when_main_imports_torchshm_late(
     for registered, init, shared in samples:
         assert registered is expected and shared is expected
         assert (init is not None) == (mode == "worker_init_fn")
+
+
+# Python 3.14 makes forkserver the default start method on Linux: a script
+# that names no context, set to that default here, whether it imports
+# torchshm at the top or only inside main().
+DEFAULT_FORKSERVER_SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, sys
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    if sys.argv[1] == "top":
+        import torchshm
+
+
+    class Arrays:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.arange(1000.0) + i
+
+
+    def full(i):
+        return np.full(1000, float(i))
+
+
+    def main():
+        import torchshm
+
+        loader = DataLoader(Arrays(), batch_size=None, num_workers=2, timeout=60,
+                            collate_fn=torchshm.convert)
+        from_loader = [[a[0] == i, torchshm.is_shared(a)]
+                       for i, a in enumerate(loader)]
+        with multiprocessing.Pool(2) as pool:
+            from_pool = [[a[0] == i, torchshm.is_shared(a)]
+                         for i, a in enumerate(pool.map(full, range(4)))]
+        print(json.dumps([[bool(x) for x in pair] for pair in from_loader + from_pool]))
+
+
+    if __name__ == "__main__":
+        multiprocessing.set_start_method("forkserver")
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["top", "main"])
+def test_default_forkserver_workers_share_wherever_torchshm_is_imported(
+    tmp_path, no_leaks, where
+):
+    results = run_script(tmp_path, DEFAULT_FORKSERVER_SCRIPT, where)
+    assert results == [[True, True]] * 8

@@ -6,7 +6,9 @@ them; under spawn and forkserver it has them only if something it unpickles
 imports torchshm. `worker_init_fn` is that something: the DataLoader pickles
 it into every worker, unpickling it imports torchshm (which registers), and
 calling it registers again in case the import happened earlier with the
-reducers off.
+reducers off. Under forkserver (Python 3.14's default on Linux) no hook is
+needed while the fork server has not started when torchshm registers: it
+joins the server's preload list (_registry._preload_in_forkserver).
 
 Note [One segment per batch]
 `np.stack` into fresh memory and then a send copies each batch twice: once

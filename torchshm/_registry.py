@@ -1,14 +1,16 @@
 """Registration with multiprocessing's ForkingPickler (never copyreg, so that
-pickle.dumps to a file stays by value)."""
+pickle.dumps to a file stays by value): ndarrays, and pyarrow Buffers once
+pyarrow is imported (Note [Arrow buffers] in _arrow.py)."""
 
 import contextlib
 import threading
+from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Iterator
 
 import numpy as np
 
-from torchshm import _config, _sender, _session
+from torchshm import _arrow, _config, _sender, _session
 
 TYPES = (np.ndarray,) + _sender.SUBCLASSES
 _lock = threading.Lock()
@@ -32,6 +34,33 @@ def register() -> None:
         _previous = {t: table.get(t) for t in TYPES}
         for t in TYPES:
             ForkingPickler.register(t, _sender.REDUCER)
+    _arrow.watch(_register_arrow)
+    _preload_in_forkserver()
+
+
+def _register_arrow() -> None:
+    """Adds the pyarrow.Buffer reducer to a registration (pyarrow is
+    imported): _arrow.watch calls it, at once or at pyarrow's import."""
+    buffer = _arrow.buffer_type()
+    with _lock:
+        if _previous is None or buffer is None or buffer in _previous:
+            return
+        _previous[buffer] = ForkingPickler._extra_reducers.get(buffer)
+        ForkingPickler.register(buffer, _arrow.reduce_buffer)
+
+
+def _preload_in_forkserver():
+    """Note [Registration in workers] (_dataloader.py): a forkserver worker
+    registers only if the fork server imported torchshm. forkserver is
+    Python 3.14's default start method on Linux, so a script that imports
+    torchshm only inside main() would otherwise send by value from every
+    DataLoader or Pool worker. The server starts on first use and imports
+    its preload list then: torchshm joins that list, which keeps what the
+    user put there. A server already running is left as it is."""
+    # multiprocessing has no public getter for the list.
+    modules = getattr(forkserver._forkserver, "_preload_modules", None)
+    if modules is not None and "torchshm" not in modules:
+        forkserver.set_forkserver_preload([*modules, "torchshm"])
 
 
 def unregister() -> None:
