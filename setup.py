@@ -4,8 +4,15 @@ import glob
 import json
 import os
 
-import numpy
-import torch
+try:
+    import numpy
+    import torch
+except ImportError as exc:  # an isolated build: pyproject.toml lists neither
+    raise SystemExit(
+        f"torchshm builds against the torch and numpy you run ({exc}): install"
+        " them first, then build without isolation:"
+        " pip install --no-build-isolation torchshm"
+    ) from None
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 

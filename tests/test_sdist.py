@@ -1,6 +1,7 @@
-"""Installable as users install it: the sdist carries every source file and
-installs with `pip install --no-build-isolation` into a fresh venv over the
-system torch; the result imports and works from outside the source tree.
+"""Installable as users install it: the sdist carries every source file, a
+wheel builds from it with `pip wheel --no-build-isolation`, and the wheel
+installs into a fresh venv that already has torch (this environment's); the
+result imports and works from outside the source tree.
 
 It compiles the extension (about two minutes on two cores), so the build runs
 in the background from the start of the session (`start_build`, called by
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -89,33 +91,60 @@ def build(work):
         top = f"torchshm-{torchshm.__version__}/"
         members = sorted(m.name[len(top) :] for m in tar.getmembers() if m.isfile())
 
-    venv = work / "venv"
-    # From inside a venv, `-m venv` still builds on the base interpreter.
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-    python = venv / "bin" / "python"
     run(
         [
-            str(python),
+            sys.executable,
             "-m",
             "pip",
-            "install",
+            "wheel",
             "-q",
             "--no-build-isolation",
-            "--no-deps",  # torch and numpy: the system's, whatever torch pins
+            "--no-deps",  # torch and numpy: this environment's, whatever torch pins
             "--no-index",
             "--no-cache-dir",
+            "--wheel-dir",
+            str(dist),
             str(sdist),
         ],
         cwd=work,
         env=env,
         timeout=BUILD_TIMEOUT,
     )
+    (wheel,) = dist.glob("torchshm-*.whl")
+    venv = work / "venv"
+    # From inside a venv, `-m venv` still builds on the base interpreter.
+    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    python = venv / "bin" / "python"
+    _sees_this_environment(python)
+    run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+        + ["--no-cache-dir", str(wheel)],
+        cwd=work,
+        env=env,
+        timeout=BUILD_TIMEOUT,
+    )
     return {
         "sdist": sdist.name,
+        "wheel": wheel.name,
         "expected": expected,
         "members": members,
         "python": str(python),
     }
+
+
+def _sees_this_environment(python):
+    """In a venv (the pip lane's), --system-site-packages shows the base
+    interpreter's packages, not this venv's torch: a .pth line adds this
+    environment's site-packages after the new venv's own, as a user's venv
+    that already has torch (its .pth files, the editable torchshm's among
+    them, are not read: Python reads those of site directories only)."""
+    if sys.prefix == sys.base_prefix:
+        return
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    inner = Path(run([str(python), "-c", purelib]).strip())
+    (inner / "_outer_environment.pth").write_text(
+        sysconfig.get_path("purelib") + "\n"
+    )
 
 
 def build_env():
@@ -212,6 +241,7 @@ def discard_build():
 def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     built = start_build().wait(timeout=840)
     assert built["sdist"] == f"torchshm-{torchshm.__version__}.tar.gz"
+    assert built["wheel"].startswith(f"torchshm-{torchshm.__version__}-cp")
     members = set(built["members"])
     missing = sorted(set(built["expected"]) - members)
     assert not missing, f"the sdist lacks {missing}"
