@@ -652,10 +652,13 @@ def _nobody_cannot_run_this_python():
     venv links to a Python under /root (mode 0700): the child, run as 65534,
     starts the keeper with sys.executable."""
     reason = _root_with("setpriv")
-    if reason is None and subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        + ["test", "-x", sys.executable]
-    ).returncode:
+    if (
+        reason is None
+        and subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            + ["test", "-x", sys.executable]
+        ).returncode
+    ):
         reason = f"uid 65534 cannot run {os.path.realpath(sys.executable)}"
     return reason
 

@@ -142,9 +142,7 @@ def _sees_this_environment(python):
         return
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     inner = Path(run([str(python), "-c", purelib]).strip())
-    (inner / "_outer_environment.pth").write_text(
-        sysconfig.get_path("purelib") + "\n"
-    )
+    (inner / "_outer_environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
 
 def build_env():
