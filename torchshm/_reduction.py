@@ -9,6 +9,7 @@ in _sender.py; a message's state, and the segment references it writes, are
 native too.
 """
 
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -41,6 +42,22 @@ def rebuild_ndarray_from_reduced_storage(rebuild_storage, storage_args, *view):
 def rebuild_empty(*view):
     """Rebuilds a zero-size array (numpy's own pickle drops its byte order)."""
     return rebuild_ndarray(torch.empty(0, dtype=torch.int8), *view)
+
+
+# The arrays under the pyarrow Buffers that rebuild_arrow_buffer made, by the
+# Buffer's address, while they live (Note [Arrow buffers] in _arrow.py).
+ARROW_BUFFERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def rebuild_arrow_buffer(array):
+    """A pyarrow Buffer over `array` (a uint8 ndarray), without a copy; the
+    Buffer keeps the array, and so its segment, alive."""
+    import pyarrow
+
+    buffer = pyarrow.py_buffer(array)
+    if array.size:
+        ARROW_BUFFERS[buffer.address] = array
+    return buffer
 
 
 def attach_segment(locator, ticket=0, generation=0):
