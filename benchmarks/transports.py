@@ -194,6 +194,15 @@ def touch(obj):
             array.sum()
 
 
+def _is_arrow_backed(values):
+    """Whether `values` is a pandas array over pyarrow memory (other pandas
+    arrays have __arrow_array__ too, which converts them)."""
+    dtype = getattr(values, "dtype", None)
+    return type(dtype).__name__ == "ArrowDtype" or str(
+        getattr(dtype, "storage", "")
+    ).startswith("pyarrow")
+
+
 def _arrays_in(obj):
     if isinstance(obj, np.ndarray):
         yield obj
@@ -205,6 +214,11 @@ def _arrays_in(obj):
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from _arrays_in(x)
+    elif _is_arrow_backed(obj):  # pandas 3's str, pd.ArrowDtype: Arrow buffers
+        for chunk in obj.__arrow_array__().chunks:
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    yield np.frombuffer(buffer, np.uint8)
     elif hasattr(obj, "variables"):  # xarray Dataset / DataArray
         for var in obj.variables.values():
             yield from _arrays_in(var.values)
@@ -239,14 +253,18 @@ class Sender:
         child.close()
         self._recv()  # ready: imports done, transport set up
 
-    def measure(self, make, args=(), count=1):
-        """Seconds per send of `make(*args)`, one per send, first send first."""
+    def measure(self, make, args=(), count=1, holding=None):
+        """Seconds per send of `make(*args)`, one per send, first send first.
+        `holding(obj)`, if given, runs on each received payload after its
+        clock stopped (e.g. to read the receiver's memory while it holds it)."""
         self.conn.send((make, args, count))
         seconds = []
         for _ in range(count):
             t0, obj = self._recv()
             touch(finish(self.method, obj))
             seconds.append(time.perf_counter() - t0)
+            if holding is not None:
+                holding(obj)
             del obj
             release_received()
             self.conn.send(True)

@@ -14,6 +14,7 @@ from benchmarks.scenarios import (
     metadata,
     node_memory,
     per_item,
+    string_frame,
 )
 
 SCENARIOS = {
@@ -31,6 +32,7 @@ SCENARIOS = {
         born,
         metadata,
         docker_shm,
+        string_frame,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
