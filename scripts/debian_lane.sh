@@ -243,8 +243,8 @@ EOF2
         PYTEST_ARGS="${PYTEST_ARGS:--q -n 2}" \
         LANE_COMMAND="${TORCHSHM_LANE_COMMAND:-}" /bin/bash "$inner/run.sh" || status=$?
     end_namespace_processes "$root"
-    if [ "$root" = / ]; then
-        umount -R "$lane" && rmdir "$lane"
+    if [ "$root" = / ]; then  # the tmpfs goes with the namespace; its mount point stays
+        umount -R "$lane" && rmdir "$lane" || log "could not remove $lane"
     fi
     return $status
 }
