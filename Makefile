@@ -28,16 +28,7 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 .PHONY: deps build test test-debian12 test-debian13 bench lint format lock clean
 
 # Installs only the Debian packages that are missing.
-define apt_install
-	@missing=$$(for p in $(1); do \
-		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; \
-	done); \
-	if [ -n "$$missing" ]; then \
-		echo "installing Debian packages:" $$missing; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
-	fi
-endef
+apt_install = @scripts/apt_install.sh $(1)
 
 deps:
 	$(call apt_install,$(DEBS))
@@ -89,6 +80,7 @@ lint:
 	black --check --quiet torchshm tests benchmarks scripts setup.py
 	flake8 torchshm tests benchmarks scripts setup.py
 	bash -n scripts/debian_lane.sh
+	bash -n scripts/apt_install.sh
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:

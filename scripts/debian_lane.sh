@@ -263,21 +263,6 @@ copy_sources() {  # the files git would commit, as they are in the worktree
     fi
 }
 
-# On the host: only the packages that are missing.
-install_on_host() {
-    local missing=() p
-    for p in "${PACKAGES[@]}"; do
-        dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' ||
-            missing+=("$p")
-    done
-    if [ "${#missing[@]}" != 0 ]; then
-        log "installing Debian packages: ${missing[*]}"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            "${missing[@]}" >/dev/null
-    fi
-}
-
 case "$RELEASE" in
 __bootstrap) inside_bootstrap "$2" ;;
 __test) inside_test ;;
@@ -290,7 +275,7 @@ __test) inside_test ;;
     export LANE_RELEASE=$RELEASE SUITE
     if [ "$(host_release)" = "$RELEASE" ] && [ -z "${TORCHSHM_LANE_CHROOT:-}" ]; then
         log "on this Debian $RELEASE host"
-        install_on_host
+        "$REPO/scripts/apt_install.sh" "${PACKAGES[@]}"
         export ROOT=/
     else
         HASH=$(printf '%s\n' "$SUITE" "$RECIPE_VERSION" "${PACKAGES[@]}" | sha256sum | cut -c1-16)
