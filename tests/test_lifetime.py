@@ -663,10 +663,10 @@ def _nobody_cannot_run_this_python():
     return reason
 
 
-@pytest.mark.skipif(
-    _nobody_cannot_run_this_python() is not None,
-    reason=str(_nobody_cannot_run_this_python()),
-)
+_NOBODY_CANNOT_RUN = _nobody_cannot_run_this_python()
+
+
+@pytest.mark.skipif(_NOBODY_CANNOT_RUN is not None, reason=str(_NOBODY_CANNOT_RUN))
 def test_a_copy_whose_threads_cannot_start_still_completes():
     env = dict(os.environ, PYTHONPATH=ROOT)
     run = subprocess.run(

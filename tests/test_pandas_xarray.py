@@ -143,9 +143,9 @@ def make_pandas3_frame(arrow, n=64):
     return pd.DataFrame(columns, index=index)
 
 
-def arrow_buffers(series):
-    """The pyarrow Buffers under an Arrow-backed column."""
-    chunked = series.array.__arrow_array__()
+def arrow_buffers(chunked):
+    """The pyarrow Buffers under a ChunkedArray (an Arrow-backed column's:
+    series.array.__arrow_array__())."""
     return [b for c in chunked.chunks for b in c.buffers() if b is not None]
 
 
@@ -182,7 +182,8 @@ def test_pandas3_column_kinds_arrive_equal(ctx, no_leaks, child, arrow):
     assert got.index.equals(frame.index) and got.index.names == frame.index.names
     if arrow:
         for name in ("str_arrow", "arrow_int", "arrow_str"):
-            buffers = [b for b in arrow_buffers(got[name]) if b.size]
+            chunked = got[name].array.__arrow_array__()
+            buffers = [b for b in arrow_buffers(chunked) if b.size]
             assert buffers and all(map(in_segment, buffers)), name
 
 
@@ -200,10 +201,7 @@ def test_arrow_buffers_of_a_shared_table_are_sent_by_reference(ctx, no_leaks, ch
     assert stats_delta(before)["bytes_copied"] == 0
     assert got.equals(table)
     for name in ("n", "s"):
-        sent, received = (
-            [b for c in t.column(name).chunks for b in c.buffers() if b is not None]
-            for t in (shared, got)
-        )
+        sent, received = (arrow_buffers(t.column(name)) for t in (shared, got))
         assert all(map(in_segment, received))
         for a, b in zip(sent, received):
             assert np.shares_memory(
