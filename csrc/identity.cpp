@@ -25,6 +25,10 @@ struct Lock {
   int fd = -1;
 };
 
+// The user's run directory (torchshm/_keeper.py run_dir): set once, at
+// import, before any lock is made or asked about; empty: none (torchshm off).
+std::string directory;
+
 std::mutex mutex;     // guards everything below
 std::string session;  // written into lock files
 Lock self;
@@ -62,8 +66,11 @@ void write_owner(int fd, pid_t pid);
 Lock create_lock() {
   Lock lock;
   lock.id = random_id();
+  if (directory.empty())
+    throw_errno(ENOENT,
+                "torchshm has no run directory (see the warning at import)");
   const std::string tmp =
-      "/dev/shm/torchshm-new-" + std::to_string(random_id()) + ".lock";
+      directory + "/torchshm-new-" + std::to_string(random_id()) + ".lock";
   lock.fd = ::open(tmp.c_str(),
                    O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (lock.fd < 0) throw_errno(errno, "cannot create ", tmp);
@@ -106,11 +113,15 @@ uint64_t random_id(bool ticket) {
   return ticket ? (value | kTicketBit) : (value & ~kTicketBit);
 }
 
+void set_lock_dir(const std::string& path) {
+  if (directory.empty()) directory = path;
+}
+
 std::string lock_path(uint64_t id) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "/dev/shm/torchshm-%016llx.lock",
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "/torchshm-%016llx.lock",
                 static_cast<unsigned long long>(id));
-  return buf;
+  return directory + buf;
 }
 
 uint64_t self_id() {
@@ -185,9 +196,12 @@ void after_fork_in_child() {
 
 void remove_own_lock() {
   std::lock_guard<std::mutex> guard(mutex);
-  if (self.id == 0) return;
+  if (self.fd < 0) return;
   ::unlink(lock_path(self.id).c_str());
-  close_lock(self);
+  // The id stays: a call after exit (an atexit hook's torchshm.release)
+  // must not make a new lock file that nothing would remove.
+  ::close(self.fd);
+  self.fd = -1;
 }
 
 pid_t current_pid() {

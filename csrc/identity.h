@@ -1,7 +1,8 @@
 // Who holds a segment, and whether that holder is still alive.
 //
 // Every process that holds torchshm memory has a random 63-bit id, fresh after
-// fork, and a lock file /dev/shm/torchshm-<id>.lock on which it holds an
+// fork, and a lock file <run dir>/torchshm-<id>.lock (the run dir: the user's
+// own directory in /dev/shm, torchshm/_keeper.py) on which it holds an
 // exclusive flock for its whole life (the file says its pid and session, for
 // people and for the keeper). The kernel drops the lock when the process
 // dies, however it dies, so any process that shares this /dev/shm (a
@@ -27,7 +28,10 @@ namespace torchshm {
 // A random non-zero id below kTicketBit (or, with ticket=true, a ticket word).
 uint64_t random_id(bool ticket = false);
 
-// /dev/shm/torchshm-<16 hex digits>.lock
+// The run directory, set once before any other call here (later calls are
+// ignored). Without one no lock can be made, and every holder looks dead.
+void set_lock_dir(const std::string& path);
+// <run dir>/torchshm-<16 hex digits>.lock
 std::string lock_path(uint64_t id);
 
 // This process's id; the first call creates and locks its lock file.

@@ -172,6 +172,8 @@ PYBIND11_MODULE(_C, m) {
           "An int8 tensor over the data; its view owns `slot` (-1: none).");
   m.def("segments_with_fd", &torchshm::segments_with_fd);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
+  m.def("prune_in_flight", &torchshm::prune_in_flight);
+  m.def("in_flight_count", &torchshm::in_flight_count);
   m.def("wake_when_quiet", &torchshm::wake_when_quiet, py::arg("fd"));
 
   m.def(
@@ -195,6 +197,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("process_id", &torchshm::self_id);
   m.def("set_lock_session", &torchshm::set_lock_session, py::arg("session"));
+  m.def("set_lock_dir", &torchshm::set_lock_dir, py::arg("path"));
   m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));
   m.def("prepare_child", &torchshm::prepare_child);
   m.def("after_fork_in_parent", &torchshm::after_fork_in_parent);

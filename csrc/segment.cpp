@@ -70,6 +70,12 @@ std::atomic<int64_t> creator_fds{0};
 std::mutex created_mutex;
 std::vector<std::weak_ptr<Segment>> created;
 
+// Segments this process created whose last view died while a message naming
+// them was still unread: kept, with their fd, until none is (Note [Segment
+// lifetime]: the keeper's death must not take them).
+std::mutex in_flight_mutex;
+std::vector<std::shared_ptr<Segment>> in_flight;
+
 void remember(const std::shared_ptr<Segment>& segment) {
   std::lock_guard<std::mutex> guard(created_mutex);
   if (created.size() >= 64 && created.size() == created.capacity()) {
@@ -254,7 +260,9 @@ void Segment::release_slot(int slot, uint64_t holder) {
   if (slot < 0 || slot >= kSlots) return;
   uint64_t expected = holder;
   if (!header()->slots[slot].word.compare_exchange_strong(expected, 0)) return;
-  if (!has_live_holder()) unlink();
+  // A pinned segment may be named by messages that hold no slot: only the
+  // keeper closes it, when its session ends.
+  if (!pinned() && !has_live_holder()) unlink();
 }
 
 uint64_t Segment::issue_ticket(uint64_t channel, uint64_t writer) {
@@ -346,6 +354,16 @@ bool Segment::has_live_holder(int except_slot) {
   return false;
 }
 
+bool Segment::has_ticket_in_flight() const {
+  const Slot* slots = header()->slots;
+  for (int i = 0, end = scan_end(); i < end; ++i) {
+    const uint64_t word = slots[i].word.load();
+    if ((word & kTicketBit) && slots[i].verdict.load() != (word & ~kWritingBit))
+      return true;
+  }
+  return false;
+}
+
 bool Segment::reserve_for_reuse(int own_slot) {
   if (views_.load() != 0 || pinned() || has_live_holder(own_slot)) return false;
   header()->generation.fetch_add(1);
@@ -388,11 +406,18 @@ View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
 
 View::~View() {
   disown();
-  if (segment->views_.fetch_sub(1) == 1 && segment->pooled.load()) {
-    const int fd = quiet_fd.exchange(-1);
-    if (fd >= 0 && ::write(fd, "q", 1) < 0) {
-      // A full pipe already wakes the timer.
-    }
+  if (segment->views_.fetch_sub(1) != 1) return;
+  if (!segment->pooled.load()) {
+    // A creator's last view: its messages in flight keep it (and its fd).
+    if (segment->fd() < 0 || segment->unlinked() ||
+        !segment->has_ticket_in_flight())
+      return;
+    std::lock_guard<std::mutex> guard(in_flight_mutex);
+    in_flight.push_back(segment);
+  }
+  const int fd = quiet_fd.exchange(-1);
+  if (fd >= 0 && ::write(fd, "q", 1) < 0) {
+    // A full pipe already wakes the timer.
   }
 }
 
@@ -430,6 +455,24 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
 View* view_of(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return nullptr;
   return tensor.storage().data_ptr().cast_context<View>(&delete_view);
+}
+
+int64_t prune_in_flight() {
+  std::vector<std::shared_ptr<Segment>> done;  // destroyed outside the lock
+  std::lock_guard<std::mutex> guard(in_flight_mutex);
+  auto still = std::partition(
+      in_flight.begin(), in_flight.end(), [](const auto& segment) {
+        return !segment->unlinked() && segment->has_ticket_in_flight();
+      });
+  done.assign(std::make_move_iterator(still),
+              std::make_move_iterator(in_flight.end()));
+  in_flight.erase(still, in_flight.end());
+  return static_cast<int64_t>(in_flight.size());
+}
+
+int64_t in_flight_count() {
+  std::lock_guard<std::mutex> guard(in_flight_mutex);
+  return static_cast<int64_t>(in_flight.size());
 }
 
 std::vector<std::shared_ptr<Segment>> segments_with_fd() {

@@ -19,7 +19,11 @@
 // that what it opened is a sealed memfd of this user whose header carries
 // the segment's random uid, maps it and closes the fd: a live array costs a
 // mapping, never an fd. The creator keeps its fd while it keeps the segment
-// (so its in-flight messages survive a keeper's death), unless fds run low.
+// and, once its last view is gone, while a message naming it is in flight
+// (prune_in_flight), so that its messages survive a keeper's death. Those
+// fds count against the hard fd limit: the creator raises its soft limit
+// as they need, and past a quarter of the hard limit it makes no new
+// segment (its arrays are pickled by value, torchshm/_segments.py).
 // Cost of a first map (one-off, 2-core reference machine): ~18 us through
 // /proc against ~15 us for shm_open of a /dev/shm file; ~25 us through the
 // keeper's socket.
@@ -54,8 +58,9 @@
 // - Every slot taken (16384 messages in flight naming one segment, or
 //   holders): the sender sends without a ticket and pins the segment, a
 //   receiver maps it without a slot and pins it. A pinned segment is never
-//   reused and stays loadable until its session ends: no message is lost,
-//   whatever the fan-out; the price is that its memory lives that long.
+//   reused, and only its keeper closes it, when its session ends (whoever
+//   lets go of a slot): no message is lost, whatever the fan-out; the price
+//   is that its memory lives that long.
 //
 // Who may reuse or close:
 // - Only the creator's pool overwrites a segment, and only when no view of
@@ -84,13 +89,19 @@
 //   second apart, so that a message written just before its writer's death
 //   is still read). Tickets whose pipe is unknown (bytes sent another way)
 //   live until the session ends.
-// - A killed keeper: its fds close with it, but creators keep theirs, so
-//   their in-flight messages still load. The next process that needs a
+// - A killed keeper: its fds close with it, but creators keep theirs (of
+//   every segment a message in flight names), so their in-flight messages
+//   still load while the sender lives. The next process that needs a
 //   keeper starts one under the same session id; every member notices
 //   within a second (the pool's once-a-second pass) and registers the
 //   segments it created again. A keeper ends its session only when no
 //   member is connected and no process of the session lives (their lock
-//   files say so), so it never closes what live processes send.
+//   files say so), so it never closes what live processes send. With no
+//   member left, it lingers while a process that may still join started
+//   with the session's id in its environment, or a ticket's pipe is still
+//   open somewhere (at most TORCHSHM_SESSION_LINGER, 10 minutes): a sender
+//   may exit before a `subprocess` child of its session has imported
+//   torchshm. A message written to a file is the handles' job (below).
 //
 // Handles (torchshm.dumps / loads, torchshm/_handles.py) are messages meant
 // to be loaded many times, by any process of this user on this node:
@@ -161,7 +172,7 @@ class Segment {
   // Puts `holder` in a free slot; -1 if every slot is taken.
   int take_slot(uint64_t holder);
   // Frees `slot` if it still holds `holder`; unlinks the segment when no
-  // live holder remains.
+  // live holder remains and it is not pinned.
   void release_slot(int slot, uint64_t holder);
   // A new ticket for a message written to pipe `channel` (an inode; 0 if
   // unknown) by process `writer` (0: no write to watch; else the ticket is
@@ -181,6 +192,9 @@ class Segment {
   // For the creator's pool: true if nothing but `own_slot` holds the segment,
   // no local view is alive and it is not pinned; then bumps the generation.
   bool reserve_for_reuse(int own_slot);
+  // Whether a slot holds a ticket the keeper has not found dead: a message
+  // naming the segment that may still be read.
+  bool has_ticket_in_flight() const;
   // Whether any slot other than `except_slot` names a live holder; clears
   // the slots of dead ones on the way.
   bool has_live_holder(int except_slot = -1);
@@ -270,5 +284,12 @@ void wake_when_quiet(int fd);
 // with a restarted keeper), and how many fds those are.
 std::vector<std::shared_ptr<Segment>> segments_with_fd();
 int64_t open_creator_fds();
+
+// Segments this process created that no view holds but a message in flight
+// names (kept by the last view's destructor): prune_in_flight lets go of
+// those whose messages were all read or found dead and returns how many are
+// left; torchshm/_expiry.py calls it while any are kept.
+int64_t prune_in_flight();
+int64_t in_flight_count();
 
 }  // namespace torchshm
