@@ -138,6 +138,15 @@ def _cmdline(pid):
         return []
 
 
+def keeper_session(argv):
+    """The session a keeper's command line names (`_keeper.py SESSION ...`),
+    or None if it is not a keeper's."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg.endswith(b"_keeper.py"):
+            return argv[i + 1].decode()
+    return None
+
+
 def session_processes(sid, session=None):
     """Live processes of process session `sid` (the driver's tree), plus the
     keeper of torchshm session `session` (it runs in a process session of its
@@ -151,12 +160,7 @@ def session_processes(sid, session=None):
         if stat is None:
             continue
         argv = _cmdline(pid)
-        is_keeper = (
-            session is not None
-            and len(argv) >= 2
-            and argv[-2].endswith(b"_keeper.py")
-            and argv[-1] == session.encode()
-        )
+        is_keeper = session is not None and keeper_session(argv) == session
         if stat[1] == sid or is_keeper:
             found.append(pid)
     return found

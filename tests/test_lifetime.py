@@ -205,6 +205,10 @@ def test_nested_pickling_gives_each_byte_string_its_own_ticket():
     assert delta(before, "segments_reused") == 1
 
 
+@pytest.mark.keeps_segments(
+    reason="a pinned segment stays until its session ends (the suite's session);"
+    " tests/test_corners.py checks that in a session of its own"
+)
 def test_more_messages_in_flight_than_slots_still_load():
     shared = torchshm.share(np.arange(10_000.0))
     before = torchshm.stats()
@@ -403,7 +407,7 @@ def test_the_keeper_survives_running_out_of_fds():
     keeper = (
         subprocess.Popen(
             ["prlimit", "--nofile=24:24", sys.executable, "-I", "-S", _keeper.__file__]
-            + [session],
+            + [session, _keeper.run_dir(), "600"],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,

@@ -2,11 +2,13 @@
 them out, and closes each one once nothing holds it (Note [Segment lifetime]
 in csrc/segment.h).
 
-Run by torchshm._session as `python -I -S _keeper.py SESSION`; it imports only
-the standard library, so that it starts in milliseconds. It listens on a Unix
-socket in /dev/shm (reachable from any network namespace that shares this
-/dev/shm), holds the session's lock file for its whole life, and makes the
-session table (csrc/table.h): every process of the session maps it.
+Run by torchshm._session as `python -I -S _keeper.py SESSION RUN_DIR LINGER`;
+it imports only the standard library, so that it starts in milliseconds. It
+listens on a Unix socket in the user's run directory under /dev/shm
+(run_dir(): reachable from any network namespace that shares this /dev/shm,
+and no other user can create a name in it), holds the session's lock file for
+its whole life, and makes the session table (csrc/table.h): every process of
+the session maps it.
 
 What it does, and what that costs, so that it stays idle whatever is alive:
 - A creator registers each new segment (its fd, one message, no reply); the
@@ -19,12 +21,20 @@ What it does, and what that costs, so that it stays idle whatever is alive:
 - When a member's connection closes (a process died or exited), it looks at
   every segment once, shortly after; and, as a safety net for holders of
   other sessions, once a minute or less often (at most 1% of a core).
-- When no member is connected and no process of the session lives, the
+- When no member is connected, the session lingers while one may still join
+  and read its messages: a live process of the session that has not joined
+  (its lock file, or TORCHSHM_SESSION in its environment: a `subprocess`
+  child that has not imported torchshm yet), or a message in flight on a
+  pipe some process still holds open; at most LINGER seconds. Then the
   session's tickets die with it: it closes what no live process holds, waits
   for processes of other sessions to let go of the rest (a handle another
   rank loaded), and exits.
-It only ever touches files of its own user, and only regular files and
-sockets: never through a link.
+- It never waits on a client: replies are non-blocking (a client that does
+  not read its replies is dropped), and an fd kept in reserve lets it answer
+  "busy" to a connection it has no fd for. Every fd a request carries that
+  it does not keep is closed.
+It only ever touches files of its own user, in its run directory, and only
+regular files and sockets: never through a link.
 
 The layouts it reads are restated below from csrc/layout.h, which
 tests/test_layout.py compares against the native module's _C.LAYOUT.
@@ -46,6 +56,8 @@ import time
 
 SHM_DIR = "/dev/shm"
 PREFIX = "torchshm-"
+ENV_VAR = "TORCHSHM_SESSION"
+RUN_DIR_NAMES = 16  # candidates for the run directory (run_dir)
 GRACE_SECONDS = 2.0  # no member connected: one may still be joining
 STARTUP_SECONDS = 30.0  # the starter died before it joined
 SCAN_SECONDS = 1.0
@@ -57,6 +69,8 @@ UNREGISTERED_SECONDS = 60.0  # an index claimed by a creator that died
 NEW_LOCK_SECONDS = 60.0  # a process lock file still being created
 MESSAGE_BYTES = 256
 MAX_FDS = 2
+DEFAULT_LINGER_SECONDS = 600.0
+BUSY = b"B"  # the reply to a connection the keeper has no fd to serve
 
 # csrc/layout.h (tests/test_layout.py checks every value).
 SEGMENT_MAGIC = 0x346D687368637274
@@ -100,16 +114,72 @@ def valid_session(session):
     return isinstance(session, str) and SESSION_ID.fullmatch(session) is not None
 
 
+_run_dir = None
+
+
+def run_dir():
+    """The directory of this user's sockets and lock files: the first of
+    /dev/shm/torchshm-<uid>, torchshm-<uid>.1, ... that is a directory of this
+    user that only it can enter, made if none is.
+
+    /dev/shm is world-writable: another user can create a name there before
+    us, but never one inside our directory, so no name of a session can be
+    taken (a planted socket or lock would split a session, or stop its keeper
+    from starting). A planted candidate is passed over, and every process of
+    this user passes over the same ones, so the members of a session always
+    find one keeper. Raises OSError naming what is in the way when every
+    candidate is taken, or why none can be made (no /dev/shm, no inode left):
+    torchshm then stays off."""
+    global _run_dir
+    if _run_dir is None:
+        _run_dir = _find_run_dir()
+    return _run_dir
+
+
+def run_dir_candidates():
+    base = os.path.join(SHM_DIR, f"{PREFIX}{os.geteuid()}")
+    return [base] + [f"{base}.{k}" for k in range(1, RUN_DIR_NAMES)]
+
+
+def is_run_dir(path):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _own(st) and not st.st_mode & 0o077
+
+
+def _find_run_dir():
+    candidates = run_dir_candidates()
+    for path in candidates:  # one made before, even if an earlier name is free now
+        if is_run_dir(path):
+            return path
+    for path in candidates:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            if is_run_dir(path):  # another process of ours made it meanwhile
+                return path
+            continue
+        os.chmod(path, 0o700)  # whatever the umask; ours, in a sticky directory
+        return path
+    raise OSError(
+        errno.EEXIST,
+        f"every name torchshm may use for its directory in {SHM_DIR} is taken"
+        f" by another user ({candidates[0]} to {candidates[-1]})",
+    )
+
+
 def socket_path(session):
-    return os.path.join(SHM_DIR, f"{PREFIX}{session}.sock")
+    return os.path.join(run_dir(), f"{PREFIX}{session}.sock")
 
 
 def session_lock_path(session):
-    return os.path.join(SHM_DIR, f"{PREFIX}session-{session}.lock")
+    return os.path.join(run_dir(), f"{PREFIX}session-{session}.lock")
 
 
 def process_lock_path(holder):
-    return os.path.join(SHM_DIR, f"{PREFIX}{holder:016x}.lock")
+    return os.path.join(run_dir(), f"{PREFIX}{holder:016x}.lock")
 
 
 def _own(st):
@@ -306,16 +376,50 @@ class Entry:
         self.uid, self.index, self.fd, self.creator = uid, index, fd, creator
 
 
-def open_pipes():
-    """Inodes of the pipes that processes of this user have open."""
-    uid, found = os.geteuid(), set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+def _processes_of_this_user():
+    """(pid, whether its /proc entry can be read) of every process of this
+    user, or None without /proc. A process that made itself non-dumpable has a
+    /proc entry of root's: a keeper that is not root cannot see its fds or
+    environment (but reads its uid from its status)."""
+    uid = os.geteuid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    found = []
+    for pid in pids:
+        try:
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
             continue
+        if owner == uid:
+            found.append((pid, True))
+        elif owner == 0 and _status_uid(pid) == uid:
+            found.append((pid, False))
+    return found
+
+
+def _status_uid(pid):
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[2])  # the effective uid
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def open_pipes():
+    """Inodes of the pipes that processes of this user have open, or None if
+    that cannot be known (no /proc, or a process of this user whose fds
+    cannot be seen): then no ticket is judged by its pipe."""
+    processes, found = _processes_of_this_user(), set()
+    if processes is None or not all(readable for _, readable in processes):
+        return None
+    for pid, _ in processes:
         fd_dir = f"/proc/{pid}/fd"
         try:
-            if os.stat(f"/proc/{pid}").st_uid != uid:
-                continue
             fds = os.listdir(fd_dir)
         except OSError:
             continue
@@ -329,10 +433,35 @@ def open_pipes():
     return found
 
 
+def session_in_environment(session):
+    """Whether a live process of this user other than this one started with
+    TORCHSHM_SESSION=session (a `subprocess` child that may still import
+    torchshm and join). True if that cannot be known for some process."""
+    processes = _processes_of_this_user()
+    if processes is None:
+        return False  # no /proc: only lock files and members tell
+    wanted, me = f"{ENV_VAR}={session}".encode(), os.getpid()
+    for pid, readable in processes:
+        if pid == me:
+            continue
+        if not readable:
+            return True
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 class Keeper:
-    def __init__(self, session, listener):
+    def __init__(self, session, listener, linger=DEFAULT_LINGER_SECONDS):
         self.session = session
         self.listener = listener
+        self.linger = linger
+        # Kept for accept() at the fd limit (see accept).
+        self.reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.table = Table(*table_capacity())
         self.by_uid = {}  # uid -> Entry
         self.by_index = {}  # index -> uid
@@ -351,6 +480,7 @@ class Keeper:
         self.next_orphan_scan = now
         self.idle_since = now
         self.idle_limit = STARTUP_SECONDS
+        self.alone_since = now  # no member connected since
         self.draining = False
 
     # ---- segments
@@ -471,7 +601,7 @@ class Keeper:
             pipes = open_pipes()
             for key, (channel, writer) in waiting.items():
                 writing = key[2] & WRITING_BIT
-                if (channel and channel not in pipes) or (
+                if (channel and pipes is not None and channel not in pipes) or (
                     writing and not process_alive(writer)
                 ):
                     dead.add(key)
@@ -495,63 +625,95 @@ class Keeper:
     def accept(self):
         try:
             conn, _ = self.listener.accept()
-        except OSError as exc:  # EMFILE and friends: try again later
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS):
-                time.sleep(0.1)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self.refuse()
             return
         if not _peer_is_us(conn):
             conn.close()
             return
+        conn.setblocking(False)  # never wait on a client (reply)
         self.selector.register(conn, selectors.EVENT_READ)
+
+    def refuse(self):
+        """At the fd limit: the reserved fd makes room to accept the waiting
+        connection and answer "busy", so that it does not wait for ever (its
+        process then goes on without torchshm)."""
+        os.close(self.reserve)
+        try:
+            conn, _ = self.listener.accept()
+            try:
+                conn.setblocking(False)
+                conn.send(BUSY)
+            except OSError:
+                pass
+            conn.close()
+        except OSError:
+            pass
+        finally:
+            self.reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def serve(self, conn):
         try:
             data, fds, _flags, _addr = socket.recv_fds(conn, MESSAGE_BYTES, MAX_FDS)
+        except BlockingIOError:
+            return  # woken for nothing
         except OSError:
             data, fds = b"", []
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            self.drop(conn)
-            return
+        kept = None
         try:
-            self.request(conn, data.decode("ascii").split(), fds)
+            if not data:
+                self.drop(conn)
+            else:
+                kept = self.request(conn, data.decode("ascii").split(), fds)
         except Exception:  # noqa: BLE001 - a bad request must not end the session
+            pass
+        finally:
             for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                if fd != kept:
+                    _close(fd)
 
     def request(self, conn, words, fds):
+        """Serves one request; returns the fd it carried that is kept (the
+        caller closes the others)."""
         kind = words[0]
         if kind in ("J", "j"):  # join (J: send me the table)
             self.members.add(conn)
             if kind == "J":
-                socket.send_fds(conn, [b"T"], [self.table.fd])
+                self.reply(conn, b"T", [self.table.fd])
         elif kind == "R":  # register: index, uid, and the segment's fd
-            (fd,) = fds
-            self.register(int(words[1]), int(words[2], 16), fd)
+            if len(fds) == 1:
+                self.register(int(words[1]), int(words[2], 16), fds[0])
+                return fds[0]
         elif kind == "F":  # fetch: index, uid
             entry = self.by_uid.get(int(words[2], 16))
             if entry is None:
                 self.drain()  # its registration may be queued on another connection
                 entry = self.by_uid.get(int(words[2], 16))
             if entry is None:
-                conn.send(b"f %d" % errno.ENOENT)
+                self.reply(conn, b"f %d" % errno.ENOENT)
             else:
-                socket.send_fds(conn, [b"f 0"], [entry.fd, self.table.fd])
+                self.reply(conn, b"f 0", [entry.fd, self.table.fd])
         elif kind == "C":  # close what was released, now (torchshm.trim)
             self.scan_flags()
-            conn.send(b"c")
+            self.reply(conn, b"c")
         elif kind == "S":  # status, as JSON in a memfd
             report = self.status()
             fd = os.memfd_create("torchshm:status", os.MFD_CLOEXEC)
             try:
                 os.write(fd, json.dumps(report).encode())
-                socket.send_fds(conn, [b"s"], [fd])
+                self.reply(conn, b"s", [fd])
             finally:
                 os.close(fd)
+        return None
+
+    def reply(self, conn, data, fds=()):
+        """Sends without waiting: a client whose replies pile up unread (or
+        that is gone) is dropped."""
+        try:
+            socket.send_fds(conn, [data], list(fds))
+        except OSError:
+            self.drop(conn)
 
     def drain(self):
         """Serves every connection with a request waiting, without blocking
@@ -572,7 +734,10 @@ class Keeper:
                 self.serve(key.fileobj)
 
     def drop(self, conn):
-        self.selector.unregister(conn)
+        try:
+            self.selector.unregister(conn)
+        except KeyError:
+            return  # dropped already
         conn.close()
         if conn in self.members:
             self.members.discard(conn)
@@ -580,7 +745,9 @@ class Keeper:
             if self.death_sweep_at is None:
                 self.death_sweep_at = time.monotonic() + DEATH_SWEEP_DELAY
             if not self.members:
-                self.idle_since, self.idle_limit = time.monotonic(), GRACE_SECONDS
+                now = time.monotonic()
+                self.idle_since, self.idle_limit = now, GRACE_SECONDS
+                self.alone_since = now
 
     def status(self):
         segments = []
@@ -629,7 +796,7 @@ class Keeper:
         for name in _lock_files():
             if name.startswith(f"{PREFIX}session-"):
                 continue
-            path = os.path.join(SHM_DIR, name)
+            path = os.path.join(run_dir(), name)
             fd = _open_own_file(path)
             if fd is None:
                 continue
@@ -644,6 +811,30 @@ class Keeper:
                 os.close(fd)
         return False
 
+    def may_still_be_read(self, now):
+        """Whether, with no member left, the session's messages may still be
+        read, for at most `linger` seconds: a process of the session that has
+        not joined yet started with its id in its environment, or a message in
+        flight is on a pipe some process still holds open."""
+        if now - self.alone_since >= self.linger:
+            return False
+        if session_in_environment(self.session):
+            return True
+        channels = set()
+        for entry in self.by_uid.values():
+            header = read_header(entry.fd)
+            if header is None:
+                continue
+            channels.update(
+                channel
+                for _i, word, channel, _writer, verdict in header.slots
+                if word & TICKET_BIT and channel and verdict != _ticket_id(word)
+            )
+        if not channels:
+            return False
+        pipes = open_pipes()
+        return pipes is None or not channels.isdisjoint(pipes)
+
     def run(self):
         """Serves until the session is over and nothing of it is held."""
         while True:
@@ -657,7 +848,7 @@ class Keeper:
         while True:
             now = time.monotonic()
             if not self.members and now - self.idle_since >= self.idle_limit:
-                if not self.session_lives():
+                if not (self.session_lives() or self.may_still_be_read(now)):
                     return
                 self.idle_since, self.idle_limit = now, SCAN_SECONDS
             self.serve_ready(SCAN_SECONDS)
@@ -693,6 +884,13 @@ class Keeper:
         return True
 
 
+def _close(fd):
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def _fd_in_use(fd):
     try:
         fcntl.fcntl(fd, fcntl.F_GETFD)
@@ -712,7 +910,7 @@ def _lock_files():
     try:
         return [
             n
-            for n in os.listdir(SHM_DIR)
+            for n in os.listdir(run_dir())
             if n.startswith(PREFIX) and n.endswith(".lock")
         ]
     except OSError:
@@ -725,7 +923,7 @@ def sweep_orphans(own_session):
     session lock, so that a keeper starting for one is never disturbed)."""
     now = time.time()
     for name in _lock_files():
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(run_dir(), name)
         fd = _open_own_file(path)
         if fd is None:
             continue
@@ -778,8 +976,7 @@ def listen(session):
     _remove_socket(path)  # a dead keeper's: we hold the session's lock
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        listener.bind(path)
-        os.chmod(path, 0o600, follow_symlinks=False)
+        listener.bind(path)  # only we can enter run_dir(): no chmod needed
         listener.listen(128)
     except OSError:
         listener.close()
@@ -788,12 +985,12 @@ def listen(session):
     return listener, lock
 
 
-def serve(session, ready):
+def serve(session, ready, linger=DEFAULT_LINGER_SECONDS):
     _raise_fd_limit()
     listener, lock = listen(session)
     if listener is None:
         return  # another keeper serves this session (EOF tells the starter)
-    keeper = Keeper(session, listener)
+    keeper = Keeper(session, listener, linger)
     ready.write(b"1")
     ready.close()
     try:
@@ -808,12 +1005,16 @@ def serve(session, ready):
 
 
 def main():
-    session = sys.argv[1]
+    global _run_dir
+    session, directory, linger = sys.argv[1], sys.argv[2], float(sys.argv[3])
     ready = os.fdopen(1, "wb", buffering=0)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 2)
-    serve(session, ready)
+    if not is_run_dir(directory):
+        return  # EOF tells the starter
+    _run_dir = directory  # the starter's choice: the same rule, made once
+    serve(session, ready, linger)
     # stdout was the ready pipe; point it somewhere harmless once closed.
     os.dup2(devnull, 1)
 
