@@ -214,8 +214,11 @@ BAD_VALUES = [
     ("TORCHSHM_DISABLE", "maybe", "one of 1, 0, true, false, yes, no"),
     ("TORCHSHM_DISABLE", "2", "one of 1, 0, true, false, yes, no"),
     ("TORCHSHM_DISABLE", "on", "one of 1, 0, true, false, yes, no"),
-    ("TORCHSHM_SESSION", "../etc", "letters and digits only"),
-    ("TORCHSHM_SESSION", "a_b", "letters and digits only"),
+    ("TORCHSHM_SESSION", "../etc", "1 to 64 letters, digits, _ or -"),
+    ("TORCHSHM_SESSION", "a.b", "1 to 64 letters, digits, _ or -"),
+    ("TORCHSHM_SESSION", "x" * 65, "1 to 64 letters, digits, _ or -"),
+    ("TORCHSHM_KEEPER_TIMEOUT", "soon", "a non-negative number of seconds"),
+    ("TORCHSHM_SESSION_LINGER", "-5", "a non-negative number of seconds"),
 ]
 
 

@@ -10,6 +10,7 @@ running at the same time (two versions in one session, a keeper started by
 either), so changing any of them needs a new magic.
 """
 
+import os
 import re
 
 import numpy as np
@@ -87,14 +88,19 @@ def _size_class(nbytes, min_class, steps, max_waste):
 def test_lock_file_names_are_made_alike_in_both_languages():
     for holder in (1, 0xABCDEF, 2**63 - 1, 0x0123456789ABCDEF):
         assert _C.testing.lock_path(holder) == _keeper.process_lock_path(holder)
-    assert _keeper.process_lock_path(5).startswith(_keeper.SHM_DIR + "/")
+    assert _keeper.process_lock_path(5).startswith(_keeper.run_dir() + "/")
+    assert _keeper.run_dir().startswith(_keeper.SHM_DIR + "/")
 
 
 def test_session_files_are_named_after_a_valid_session_only():
     session = torchshm._session.session_id()
     assert _keeper.valid_session(session)
-    assert _keeper.socket_path(session) == f"/dev/shm/torchshm-{session}.sock"
-    for bad in ("", "../x", "a/b", "a b", "x" * 65, None, 7):
+    assert _keeper.socket_path(session) == os.path.join(
+        _keeper.run_dir(), f"torchshm-{session}.sock"
+    )
+    for good in ("a_b", "run-1", "x" * 64):
+        assert _keeper.valid_session(good)
+    for bad in ("", "../x", "a/b", "a b", "a.b", "x" * 65, None, 7):
         assert not _keeper.valid_session(bad)
 
 

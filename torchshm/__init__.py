@@ -12,6 +12,7 @@ import torch  # noqa: F401  - loads libtorch before the extension
 from torchshm._native import _C  # noqa: F401  - the seam (Note [The seam])
 from torchshm import _allocator, _channel, _config, _native  # noqa: E402
 from torchshm import _holdings, _lifecycle, _reduction, _sender  # noqa: E402
+from torchshm import _session  # noqa: E402
 from torchshm._allocator import allocating, set_allocator  # noqa: E402
 from torchshm._config import get_threshold, set_threshold  # noqa: E402
 from torchshm._dataloader import (  # noqa: E402
@@ -113,6 +114,7 @@ def _configure_native():
         pool=_holdings.pool.native,
     )
     _config.on_threshold_change(_native.set_threshold)
+    _session.set_up()
     _channel.install()
     _lifecycle.install()
 

@@ -86,9 +86,8 @@ def _open(session, uid, index, creator_pid, creator_fd):
     if creator_pid > 0 and creator_fd >= 0:
         places.append(f"/proc/{creator_pid}/fd/{creator_fd}")
     for path in places:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
+        fd = _open_segment_fd(path)
+        if fd is None:
             continue
         try:
             segment = _C.Segment.attach(fd, session, uid)
@@ -108,6 +107,33 @@ def _open(session, uid, index, creator_pid, creator_fd):
         table = _session.table() if own else _session.foreign_table(session)
     segment.rebind(table, index)  # so that its flags reach its keeper
     return segment
+
+
+# What a segment's fd links to (csrc/segment.cpp names its memfds).
+SEGMENT_LINK = "/memfd:torchshm-segment:"
+
+
+def _open_segment_fd(path):
+    """An fd of the memfd at `path` (/proc/<pid>/fd/<n>), or None if that fd
+    number holds something else now (a stale locator). Looks before it opens
+    (an O_PATH fd, and the name of what it points to), then reopens that very
+    file: opening, then closing, another file would drop every POSIX lock
+    this process holds on it, and a terminal could become its controlling
+    one."""
+    try:
+        probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        here = f"/proc/self/fd/{probe}"
+        if not os.readlink(here).startswith(SEGMENT_LINK):
+            return None
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+        return os.open(here, flags)
+    except OSError:
+        return None
+    finally:
+        os.close(probe)
 
 
 def _check_generation(segment, generation):

@@ -19,8 +19,11 @@ import threading
 import warnings
 from typing import Union
 
+from torchshm import _keeper
+
 DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_POOL_IDLE_SECONDS = 30.0
+DEFAULT_KEEPER_TIMEOUT = 5.0
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
@@ -43,8 +46,8 @@ SIZE = (
 SECONDS = "a non-negative number of seconds, e.g. 30 or 0.5"
 BOOLEAN = "one of 1, 0, true, false, yes, no (any case)"
 SESSION = (
-    "letters and digits only (torchshm sets it for the processes of a session;"
-    " unset it to start a new session)"
+    "1 to 64 letters, digits, _ or - (torchshm sets it for the processes of a"
+    " session; unset it to start a new session)"
 )
 
 
@@ -71,7 +74,8 @@ def parse_boolean(text):
 
 
 def parse_session(text):
-    if not re.fullmatch(r"[0-9A-Za-z]+", text):
+    # The keeper's rule: a session id is part of file names (_keeper.py).
+    if not _keeper.valid_session(text):
         raise ValueError(f"expected {SESSION}; got {text!r}")
     return text
 
@@ -84,6 +88,8 @@ SETTINGS = {
     "TORCHSHM_MAPPING_CACHE_BYTES": (parse_size, SIZE),
     "TORCHSHM_DISABLE": (parse_boolean, BOOLEAN),
     "TORCHSHM_SESSION": (parse_session, SESSION),
+    "TORCHSHM_KEEPER_TIMEOUT": (parse_seconds, SECONDS),
+    "TORCHSHM_SESSION_LINGER": (parse_seconds, SECONDS),
 }
 
 
@@ -213,3 +219,17 @@ def mapping_cache_bytes():
     """Cap on idle mappings a receiver keeps so that segments reused by a
     sender's pool are not faulted in again (TORCHSHM_MAPPING_CACHE_BYTES)."""
     return _env_setting_at_use("TORCHSHM_MAPPING_CACHE_BYTES", _default_cap())
+
+
+def keeper_timeout():
+    """How long a process waits for its session's keeper to take a request or
+    answer it (TORCHSHM_KEEPER_TIMEOUT); then it goes on without it."""
+    return _env_setting_at_use("TORCHSHM_KEEPER_TIMEOUT", DEFAULT_KEEPER_TIMEOUT)
+
+
+def session_linger():
+    """How long a session with no member left stays while its messages may
+    still be read (TORCHSHM_SESSION_LINGER; Note [Segment lifetime])."""
+    return _env_setting_at_use(
+        "TORCHSHM_SESSION_LINGER", _keeper.DEFAULT_LINGER_SECONDS
+    )

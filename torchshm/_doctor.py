@@ -11,11 +11,10 @@ import json
 import os
 import stat
 
-from torchshm import _keeper, _memory, _session
+from torchshm import _attach, _keeper, _memory, _session
 
-# How a segment's mapping reads in /proc/<pid>/maps (csrc/segment.cpp names
-# its memfd torchshm-segment:<session>:<index>).
-SEGMENT_MAPPING = "/memfd:torchshm-segment:"
+# How a segment's mapping reads in /proc/<pid>/maps.
+SEGMENT_MAPPING = _attach.SEGMENT_LINK
 
 TORCH_SHM_NOTE = (
     "torch's own tensor sharing (its file_descriptor and file_system"
@@ -28,14 +27,15 @@ def sessions():
     """Ids of this user's torchshm sessions whose keeper socket exists."""
     found = []
     try:
-        names = os.listdir(_keeper.SHM_DIR)
+        directory = _keeper.run_dir()
+        names = os.listdir(directory)
     except OSError:
         return found
     for name in names:
         if not (name.startswith(_keeper.PREFIX) and name.endswith(".sock")):
             continue
         try:
-            st = os.lstat(os.path.join(_keeper.SHM_DIR, name))
+            st = os.lstat(os.path.join(directory, name))
         except OSError:
             continue
         if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():

@@ -20,12 +20,18 @@ from torchshm._native import _C
 #   csrc/segment.h), once per such sleep;
 # - while a segment past its time is still held by another process, or
 #   mappings are cached, every quarter of the idle time, at most
-#   EXPIRY_PERIOD_MAX apart.
+#   EXPIRY_PERIOD_MAX apart;
+# - while segments this process created are kept for messages in flight
+#   (prune_in_flight in csrc/segment.h), every IN_FLIGHT_PERIOD, to let go
+#   of those whose messages were read. The first one kept wakes it like a
+#   quiet segment; it runs while this process has segments of its own
+#   outside its pool, asleep until one is kept.
 # A wake-up is cheap on bare metal, but on a paravirtualized VM every
 # wake-up of a process holding gigabytes costs tens of milliseconds of CPU
 # (measured here: 15-50 ms for a plain time.sleep(1) with 3 GB of numpy
 # arrays held, 0.3 ms without): `python -m benchmarks.background` measures it.
 EXPIRY_PERIOD_MAX = 10.0
+IN_FLIGHT_PERIOD = 1.0
 
 
 def _make_quiet_pipe():
@@ -92,7 +98,12 @@ class _Expiry:
         return self._thread is not None
 
     def needed(self):
-        return bool(len(_holdings.pool) or _mappings.cached())
+        return bool(
+            len(_holdings.pool)
+            or _mappings.cached()
+            or _C.open_creator_fds() > len(_holdings.pool)
+            or _C.in_flight_count()
+        )
 
     def resume(self):
         """Restarts the timer after a fork stopped it (call with the lock held)."""
@@ -109,6 +120,8 @@ class _Expiry:
             mappings = _mappings.cached()
         period = max(0.05, min(EXPIRY_PERIOD_MAX, idle / 4))
         wait = None if mappings is False else period
+        if _C.in_flight_count():
+            wait = IN_FLIGHT_PERIOD if wait is None else min(wait, IN_FLIGHT_PERIOD)
         if oldest != float("inf"):
             _C.wake_when_quiet(-1)
             due = oldest + idle - time.monotonic()
@@ -129,6 +142,7 @@ class _Expiry:
                 pass
             if self._stop.is_set():
                 return
+            _C.prune_in_flight()
             with _holdings.lock:
                 _holdings.pool.release_idle(older_than=idle)
                 _mappings.drop(_config.mapping_cache_bytes())

@@ -28,6 +28,8 @@ REASONS = {
     errno.EACCES: "shared memory not permitted",
     errno.EPERM: "shared memory not permitted",
     errno.ENOSYS: "shared memory not permitted",
+    errno.ETIMEDOUT: "session keeper not answering",
+    errno.EHOSTDOWN: "no session keeper",
 }
 
 _lock = threading.Lock()

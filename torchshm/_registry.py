@@ -10,7 +10,8 @@ from typing import Iterator
 
 import numpy as np
 
-from torchshm import _arrow, _config, _sender, _session
+from torchshm import _arrow, _config, _fallback, _sender, _session
+from torchshm._native import _C
 
 TYPES = (np.ndarray,) + _sender.SUBCLASSES
 _lock = threading.Lock()
@@ -22,10 +23,16 @@ def register() -> None:
 
     Raises ValueError for a bad TORCHSHM_* environment variable here, in the
     caller's thread, rather than later inside a reducer (worker_init_fn calls
-    this in each worker)."""
+    this in each worker). Where torchshm cannot run (no keeper answers, no
+    directory to work in), it stays off with one warning naming the cause:
+    arrays are pickled by value."""
     global _previous
     _config.check_environment()
-    _session.join()
+    try:
+        _session.join()
+    except _C.SharedMemoryError as exc:
+        _fallback.fall_back(exc, "starting torchshm", "it stays off")
+        return
     with _lock:
         if _previous is not None:
             return

@@ -10,6 +10,7 @@ _expiry.py, fork and exit in _lifecycle.py.
 """
 
 import errno
+import resource
 
 from torchshm import _config, _expiry, _holdings, _mappings, _memory, _session, _stats
 from torchshm._native import _C
@@ -17,10 +18,14 @@ from torchshm._native import _C
 # A segment is never larger than this (a size class of anything larger
 # would overflow; no machine has the memory anyway).
 MAX_SEGMENT_BYTES = 1 << 56
-# A creator keeps its own fd of each segment (Note [Segment lifetime]) while
-# it holds fewer than this share of its fd limit; beyond, the keeper's is the
-# only one.
+# A creator keeps its own fd of each segment it holds, and of each that a
+# message in flight names (Note [Segment lifetime] in csrc/segment.h): up to
+# this share of its hard fd limit, raising its soft limit as they need. Past
+# it, no new segment is made (the sender pickles by value) rather than one
+# whose messages a keeper's death could lose.
 CREATOR_FD_SHARE = 0.25
+# An unlimited hard limit counts as this many fds.
+UNLIMITED_FDS = 1 << 20
 
 
 def allocate(nbytes):
@@ -48,7 +53,7 @@ def allocate_block(nbytes):
             pooled = True
             _stats.add("segments_reused")
         _holdings.live.remember(name_of(owner), owner)
-        if pooled:
+        if pooled or fresh:  # a fresh segment may be kept in flight
             _expiry.timer.ensure()
     return owner, not fresh
 
@@ -85,18 +90,32 @@ def disown_all():
 
 def _create(capacity):
     _memory.check(capacity)
+    _reserve_creator_fd()
     me = _C.process_id()
     segment = _C.Segment.create(
         _session.session_id(), _session.table(), capacity, me, _config.copy_threads()
     )
-    _session.register(segment)
-    if _C.open_creator_fds() > CREATOR_FD_SHARE * _fd_limit():
-        segment.close_fd()
+    _session.register(segment)  # if the keeper does not take it: no segment
     _stats.add("segments_created")
     return segment
 
 
-def _fd_limit():
-    import resource
-
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+def _reserve_creator_fd():
+    """Makes room for one more creator fd within CREATOR_FD_SHARE of the fd
+    limit, raising the soft limit towards the hard one; raises
+    SharedMemoryError(EMFILE) past the hard limit's share."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _C.open_creator_fds() + 1 <= CREATOR_FD_SHARE * soft:
+        return
+    _C.prune_in_flight()  # those whose messages were read since
+    wanted = _C.open_creator_fds() + 1
+    hard_fds = UNLIMITED_FDS if hard == resource.RLIM_INFINITY else hard
+    if wanted > CREATOR_FD_SHARE * hard_fds:
+        raise _C.SharedMemoryError(
+            errno.EMFILE,
+            f"torchshm: this process keeps {wanted - 1} segment fds, a quarter"
+            f" of its hard fd limit ({hard}); raise `ulimit -Hn`",
+        )
+    if wanted > CREATOR_FD_SHARE * soft:
+        new_soft = min(hard_fds, max(2 * soft, int(wanted / CREATOR_FD_SHARE) + 1))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))

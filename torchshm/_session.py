@@ -4,9 +4,16 @@ csrc/segment.h).
 
 A session is the process tree of the first process that imported torchshm. Its
 id travels in the environment (spawn and forkserver children inherit it).
-Every member holds one connection to the keeper, through a socket in /dev/shm
-that any network namespace sharing this /dev/shm reaches; the keeper sees a
-member die when that connection closes. Forked children connect anew.
+Every member holds one connection to the keeper, through a socket in the
+user's run directory in /dev/shm (_keeper.run_dir) that any network namespace
+sharing this /dev/shm reaches; the keeper sees a member die when that
+connection closes. Forked children connect anew.
+
+Nothing waits on the keeper for ever: every request has a deadline
+(TORCHSHM_KEEPER_TIMEOUT). A keeper that does not answer in time (stopped,
+swamped, at its fd limit) is a SharedMemoryError(ETIMEDOUT): a sender pickles
+by value, a process joining starts with torchshm off (one warning each), and
+its connection is closed and made anew at the next request.
 
 Through this module a process registers the segments it creates (their fds go
 to the keeper), opens the segments others created, and asks a keeper for a
@@ -24,8 +31,9 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
-from torchshm import _keeper
+from torchshm import _config, _keeper
 from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
@@ -47,55 +55,81 @@ def table():
     return _table
 
 
+def set_up():
+    """Gives the native side this user's run directory (at import, before
+    any lock is made); remembers why not if there is none."""
+    global _no_run_dir
+    try:
+        _C.set_lock_dir(_keeper.run_dir())
+    except OSError as exc:
+        _no_run_dir = exc
+
+
+_no_run_dir = None  # the OSError of set_up(), if any
+
+
 def join():
-    """Connects this process to its session's keeper, starting one if needed."""
-    if _connection is not None:
+    """Connects this process to its session's keeper, starting one if needed.
+    Raises SharedMemoryError if it cannot (no keeper answers in time, or
+    none can run here). Once joined, this process stays a member of that
+    session: a connection lost later (a keeper that died or did not answer
+    in time) is made anew by the next request that needs one."""
+    if _session is not None:
         return
     with _lock:
-        if _connection is None:
-            session = os.environ.get(ENV_VAR)
-            if session and not _keeper.valid_session(session):
-                raise ValueError(
-                    f"torchshm: {ENV_VAR}={session!r}: a session id is 1 to 64"
-                    " letters, digits, _ or -"
-                )
-            _join(session)
+        if _session is None:
+            _join(_config.env_setting(ENV_VAR))
 
 
 def _join(session):
-    global _connection, _session, _table, _keeper_pid
+    global _connection, _session, _table, _keeper_pid, _silent_until
+    if _no_run_dir is not None:
+        raise _unavailable(f"it has no directory to work in: {_no_run_dir}")
+    if time.monotonic() < _silent_until:
+        raise _timed_out("joining its session (it did not answer just before)")
     conn = _connect(session) if session else None
     if conn is None:
-        # First process of the tree, or its keeper died: start one. A keeper
-        # that cannot serve this id (another user's files under its names)
-        # exits at once: then a new session.
-        for candidate in (session, None) if session else (None,):
-            candidate = candidate or secrets.token_hex(6)
-            _start_keeper(candidate)
-            conn = _connect(candidate)
-            if conn is not None:
-                session = candidate
-                break
+        # First process of the tree, or its keeper died: start one, under
+        # the same id. Never a new id for a session that has one: that would
+        # split its members.
+        session = session or secrets.token_hex(6)
+        _start_keeper(session)
+        conn = _connect(session)
         if conn is None:
-            raise RuntimeError(
-                "torchshm: the session keeper did not start; shared memory"
-                " would not be cleaned up, so torchshm stays off"
-            )
-    table_fd = _request(conn, b"J " + f"{_C.process_id():x}".encode())[1]
+            raise _unavailable("its keeper did not start")
+    _keeper_pid = _peer_pid(conn)
     try:
-        _table = _C.SessionTable.map(table_fd[0])
+        reply, fds = _request(conn, b"J " + f"{_C.process_id():x}".encode())
+    except TimeoutError:
+        conn.close()
+        _silent_until = time.monotonic() + _config.keeper_timeout()
+        raise _timed_out("joining its session") from None
+    except OSError as exc:
+        conn.close()
+        raise _unavailable(f"its keeper is gone: {exc}") from None
+    try:
+        if reply != b"T" or len(fds) != 1:
+            raise _unavailable(f"its keeper answered {reply[:16]!r} (busy)")
+        _table = _C.SessionTable.map(fds[0])
+    except BaseException:
+        conn.close()
+        raise
     finally:
-        for fd in table_fd:
+        for fd in fds:
             os.close(fd)
     os.environ[ENV_VAR] = session
     _C.set_lock_session(session)
-    _keeper_pid = _peer_pid(conn)
     _session, _connection = session, conn
+
+
+def _unavailable(why, code=errno.EHOSTDOWN):
+    return _C.SharedMemoryError(code, f"torchshm: no session keeper ({why})")
 
 
 def leave():
     """Closes this process's connection to the keeper (it is exiting)."""
-    global _connection
+    global _connection, _left
+    _left = True
     conn, _connection = _connection, None
     if conn is not None:
         conn.close()
@@ -113,26 +147,47 @@ def keeper_pid(session=None):
 def register(segment):
     """Hands a new segment's fd to the keeper (no reply: the keeper serves
     requests in order, and a fetch waits for registrations queued on other
-    connections). Rejoins a keeper that died, once."""
+    connections). Rejoins a keeper that died, once. Raises SharedMemoryError
+    if the keeper does not take it in time: then the segment must not be
+    used (a message naming it would die with its sender)."""
     message = f"R {segment.index} {segment.uid:x}".encode()
     with _lock:
         try:
             socket.send_fds(_connection, [message], [segment.fd])
             return
-        except OSError:
+        except TimeoutError:
+            _drop_connection(timed_out=True)
+            raise _timed_out("registering a segment") from None
+        except (OSError, AttributeError):  # the keeper died, or we left
             pass
         rejoin()  # registers `segment` too: it holds its fd
+
+
+def _drop_connection(timed_out=False):
+    """Closes this process's connection. After a keeper that did not answer
+    in time: a late reply must never be read as the answer to the next
+    request, and for a deadline's length joining again fails at once rather
+    than wait again."""
+    global _connection, _silent_until
+    conn, _connection = _connection, None
+    if conn is not None:
+        conn.close()
+    if timed_out:
+        _silent_until = time.monotonic() + _config.keeper_timeout()
+
+
+_silent_until = 0.0  # see _drop_connection
+_left = False  # leave() was called: this process is exiting
 
 
 def rejoin():
     """Joins the session's keeper again after it died (a new one, with a new
     table) and registers every segment this process created and still holds
     an fd of."""
-    global _connection
     with _lock:
-        old, _connection = _connection, None
-        if old is not None:
-            old.close()
+        _drop_connection()
+        if _left:
+            raise _unavailable("this process is exiting")
         _join(_session)
         for segment in _C.segments_with_fd():
             index = _table.claim(segment.uid)
@@ -156,23 +211,36 @@ def check():
     try:
         conn = _connection
         if conn is None:
+            if _session is not None and not _left and time.monotonic() >= _silent_until:
+                try:
+                    rejoin()  # after a keeper that did not answer in time
+                except _C.SharedMemoryError:
+                    pass
             return
         try:
             ready = select.select([conn], [], [], 0)[0]
         except (OSError, ValueError):
             ready = [conn]
         if ready:  # a member is never sent anything unasked: EOF
-            rejoin()
+            try:
+                rejoin()
+            except _C.SharedMemoryError:
+                pass  # the next request tries again (or goes on without)
     finally:
         _lock.release()
 
 
 def close_released():
     """Has the keeper close, before this returns, every segment that has been
-    let go (it does so within a second anyway): torchshm.trim() means now."""
+    let go (it does so within a second anyway): torchshm.trim() means now.
+    Nothing to do before joining or after leaving."""
     with _lock:
+        if _connection is None:
+            return
         try:
             _request(_connection, b"C")
+        except TimeoutError:
+            _drop_connection(timed_out=True)  # it closes them when it can
         except OSError:
             pass  # a keeper that died is replaced at the next request
 
@@ -187,7 +255,10 @@ def fetch(session, uid, index):
         with _lock:
             try:
                 reply, fds = _request(_connection, message)
-            except OSError:
+            except TimeoutError:
+                _drop_connection(timed_out=True)
+                raise _timed_out("fetching a segment") from None
+            except (OSError, AttributeError):
                 rejoin()
                 reply, fds = _request(_connection, message)
     else:
@@ -241,8 +312,18 @@ def _gone(session, uid, why):
     )
 
 
+def _timed_out(doing):
+    return _C.SharedMemoryError(
+        errno.ETIMEDOUT,
+        f"torchshm: the session keeper (pid {_keeper_pid or 'unknown'}) did not"
+        f" answer within {_config.keeper_timeout():g} s while {doing}"
+        " (TORCHSHM_KEEPER_TIMEOUT)",
+    )
+
+
 def _request(conn, message):
-    """Sends one request and returns (reply, fds)."""
+    """Sends one request and returns (reply, fds); TimeoutError past the
+    connection's deadline (_connect)."""
     conn.send(message)
     reply, fds, _flags, _addr = socket.recv_fds(conn, 64, 2)
     if not reply:
@@ -256,6 +337,7 @@ def _connect(session):
     """A connection to a session's keeper, or None. Only a keeper of this user
     is trusted (its socket is in a directory every user can write)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(_config.keeper_timeout())  # every request's deadline
     try:
         conn.connect(_keeper.socket_path(session))
         if _peer_uid(conn) == os.geteuid():
@@ -283,15 +365,18 @@ def _peer_pid(conn):
 def _start_keeper(session):
     # A new process session: a Ctrl-C to the foreground group must not kill
     # the keeper before it sweeps.
+    linger = _config.session_linger()
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", _keeper.__file__, session],
+        [sys.executable, "-I", "-S", _keeper.__file__, session]
+        + [_keeper.run_dir(), repr(linger)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     # One byte once it listens; EOF if it failed (or another keeper serves).
-    proc.stdout.read(1)
+    # A keeper that is that slow to start serves no one and exits.
+    select.select([proc.stdout], [], [], max(_config.keeper_timeout(), 5.0))
     proc.stdout.close()
     # The keeper outlives us by design; drop the Popen so Python does not warn
     # that a child is still running when this object is collected.
@@ -303,8 +388,9 @@ def after_fork_in_child():
     the inherited table and connects anew (the keeper answers nothing to "j").
     Called by _lifecycle's fork protocol (Note [Fork]), after the child got its
     own process id."""
-    global _lock, _connection
+    global _lock, _connection, _left
     _lock = threading.RLock()
+    _left = False
     _foreign.clear()
     inherited, _connection = _connection, None
     if inherited is None:
