@@ -25,7 +25,7 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 # for each package they lack.
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: deps build test test-debian12 test-debian13 bench lint format lock clean
+.PHONY: deps build test test-debian12 test-debian13 bench soak lint format lock clean
 
 # Installs only the Debian packages that are missing.
 apt_install = @scripts/apt_install.sh $(1)
@@ -63,6 +63,15 @@ test-debian12 test-debian13: test-debian%:
 
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# The standing fault test (scripts/soak.py): senders, receivers and the
+# session keeper under random SIGKILL and SIGSTOP, for SOAK_MINUTES minutes;
+# fails on any message corrupted, duplicated or lost while a holder lived, any
+# hang, or anything left behind. SOAK_ARGS adds options (--seed N).
+SOAK_MINUTES ?= 1
+
+soak: build
+	$(PY) scripts/soak.py --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 # Pins what requirements/pip.txt pulls in, from a scratch venv.
 lock: | deps

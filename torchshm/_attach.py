@@ -13,6 +13,11 @@ from torchshm import _config, _expiry, _holdings, _keeper, _mappings, _session, 
 from torchshm._native import _C
 
 
+# How long a receiver keeps trying a keeper that does not answer (a new one,
+# slow to start on a loaded machine) before its load fails.
+RECEIVE_PATIENCE = 60.0
+
+
 def attach(locator, ticket, generation):
     """The int8 tensor over the segment `locator` names (Segment.locator),
     claiming the message's ticket.
@@ -20,7 +25,7 @@ def attach(locator, ticket, generation):
     A message loaded a second time finds its ticket claimed: it takes a slot
     of its own, valid only while the segment still holds the generation the
     message was written in (Note [Segment lifetime] in csrc/segment.h)."""
-    _session.join()
+    _session.join(patience=RECEIVE_PATIENCE)
     name, where = parse_locator(locator)
     me = _C.process_id()
     with _holdings.lock:

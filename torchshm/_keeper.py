@@ -480,6 +480,7 @@ class Keeper:
         self.next_orphan_scan = now
         self.idle_since = now
         self.idle_limit = STARTUP_SECONDS
+        self.starter = os.getppid()
         self.alone_since = now  # no member connected since
         self.draining = False
 
@@ -847,6 +848,8 @@ class Keeper:
         lives."""
         while True:
             now = time.monotonic()
+            if self.idle_limit == STARTUP_SECONDS and os.getppid() != self.starter:
+                self.idle_limit = GRACE_SECONDS  # the starter died before joining
             if not self.members and now - self.idle_since >= self.idle_limit:
                 if not (self.session_lives() or self.may_still_be_read(now)):
                     return
@@ -1002,6 +1005,9 @@ def serve(session, ready, linger=DEFAULT_LINGER_SECONDS):
         except OSError:
             pass
         os.close(lock)
+        # What processes of the session killed since the last scan left (and
+        # any other dead session's socket): no keeper may be left to do it.
+        sweep_orphans(session)
 
 
 def main():

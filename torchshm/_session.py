@@ -68,17 +68,27 @@ def set_up():
 _no_run_dir = None  # the OSError of set_up(), if any
 
 
-def join():
+def join(patience=0.0):
     """Connects this process to its session's keeper, starting one if needed.
     Raises SharedMemoryError if it cannot (no keeper answers in time, or
-    none can run here). Once joined, this process stays a member of that
+    none can run here); with `patience`, keeps trying a keeper that does not
+    answer for that many seconds first (a receiver: a message it cannot load
+    would be lost). Once joined, this process stays a member of that
     session: a connection lost later (a keeper that died or did not answer
     in time) is made anew by the next request that needs one."""
     if _session is not None:
         return
-    with _lock:
-        if _session is None:
-            _join(_config.env_setting(ENV_VAR))
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with _lock:
+                if _session is None:
+                    _join(_config.env_setting(ENV_VAR))
+            return
+        except _C.SharedMemoryError as exc:
+            if exc.errno != errno.ETIMEDOUT or time.monotonic() >= deadline:
+                raise
+        time.sleep(min(0.1, max(0.0, _silent_until - time.monotonic())))
 
 
 def _join(session):
@@ -127,12 +137,21 @@ def _unavailable(why, code=errno.EHOSTDOWN):
 
 
 def leave():
-    """Closes this process's connection to the keeper (it is exiting)."""
+    """Closes this process's connection to the keeper (it is exiting). If the
+    keeper died meanwhile, removes what dead processes left in the run
+    directory: no keeper may be left to (its socket and lock included)."""
     global _connection, _left
     _left = True
     conn, _connection = _connection, None
-    if conn is not None:
-        conn.close()
+    if conn is None:
+        return
+    try:
+        keeper_died = bool(select.select([conn], [], [], 0)[0])  # EOF
+    except (OSError, ValueError):
+        keeper_died = False
+    conn.close()
+    if keeper_died:
+        _keeper.sweep_orphans(None)
 
 
 def keeper_pid(session=None):

@@ -1,0 +1,1083 @@
+"""The standing fault test: senders, receivers and the session keeper under
+random SIGKILL and SIGSTOP, for N minutes.
+
+    .venv/bin/python scripts/soak.py --minutes 1            # CI
+    make soak SOAK_MINUTES=10                               # the closing note
+
+The run is a series of rounds. Each round draws a configuration from the seed
+(printed; `--seed` repeats the same configurations, `--rounds` stops after as
+many): start method fork or spawn, TORCHSHM_POOL_BYTES=0 or the default pool,
+a low soft fd limit in senders or receivers (hard limit untouched), message
+sizes from 1 KiB to a few MiB, 1-4 senders each with its own channel (Pipe,
+duplex Pipe, SimpleQueue or Queue) and 1-3 receivers each reading one or
+more channels in a thread per channel, and a schedule of faults: senders
+SIGKILLed after they sent something, senders and receivers stopped for up to
+two seconds, the keeper SIGKILLed or stopped, sometimes one receiver
+SIGKILLed. Each round runs in a driver process (`--driver`) that imports
+torchshm and so founds a session of its own; this top-level process never
+imports torchshm, so that once the drivers are gone nothing of the soak
+should remain.
+
+Why each sender has a channel to itself: a process killed while writing
+leaves half a message in its pipe (and, for a Queue, its lock taken). That is
+multiprocessing's behaviour, not torchshm's; with one writer per channel it
+only ever cuts the tail of that channel, which nobody is expected to read.
+
+What is counted, per message (a message is identified by sender and sequence
+number; its arrays are a pattern derived from both, so any byte is checked):
+- sent: its send returned (for a Pipe or SimpleQueue the bytes are then in the
+  pipe; a Queue's feeder thread writes later, so a Queue sender counts its
+  messages as sent only after close() and join_thread()), as recorded in
+  shared memory by the sender right after; or it was received anyway.
+- corrupted: received with other contents, or changed while the receiver
+  still held it (receivers keep a few messages and check them again before
+  dropping them, so a segment reused under a holder shows here).
+- duplicated: received more than once.
+- lost while a holder lived (must be 0): sent, its receiver lived, and it
+  never arrived or did not load, although its sender or a keeper that had its
+  segment lived until the load was tried.
+- lost after every holder died: its receiver was killed (nobody else reads
+  its channel); or its sender was killed and then a keeper too, both before
+  the receiver tried to load it (a creator registers its segments again with
+  a new keeper within a second or so; a sender killed less than REJOIN_GRACE
+  seconds after a keeper kill is taken not to have).
+- not counted as sent: messages whose sender was killed before it could
+  count them (cut mid-write, or a Queue's not flushed), unless received.
+- hangs: a receiver that waited HANG seconds for a sent message, a sender that
+  did not finish in time although its receiver lived, or a driver that had to
+  be killed.
+- leftovers, 5 s after the last driver ended: files under /dev/shm whose names
+  begin with "torchshm" and belong to a session of the soak (by name, or by
+  the session a lock file names), keeper processes of those sessions, and
+  other processes of the drivers' process sessions; /proc/meminfo's Shmem
+  against the start (the machine-wide figure: other work moves it too, so it
+  is reported, not judged).
+
+Each round prints one line; a round with a problem also prints the messages
+concerned, its timeline (faults, and each keeper that came up and who started
+it, in seconds after the senders started) and its log (the stderr of all its
+processes, torchshm's warnings summarised). A leftover is printed with its
+session's timeline; `--keep-leftovers` leaves leftover processes running, to
+look at them (they are killed otherwise, once reported).
+
+Exits 1 if anything was corrupted, duplicated, lost while a holder lived, hung
+or left over, or a process raised.
+"""
+
+import argparse
+import errno
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+SCRIPT = os.path.abspath(__file__)
+SHM_DIR = "/dev/shm"
+KINDS = ("pipe", "socket", "simplequeue", "queue")
+MAX_MESSAGES = 4000  # per sender and round: sizes the shared bookkeeping
+QUEUE_DEPTH = 16  # bounds what a Queue sender pins while its receiver stalls
+REJOIN_GRACE = 3.0
+STARTUP_SECONDS = 120.0  # spawn children import torch on a busy 2-core machine
+LEFTOVER_DELAY = 5.0
+SHMEM_TOLERANCE_MIB = 64
+
+# Per-message status, written by the receiver that read it.
+UNSEEN, OK, CORRUPT, FAILED, CORRUPT_LATER = 0, 1, 2, 3, 4
+RECEIVED = (OK, CORRUPT, CORRUPT_LATER)
+
+
+# ------------------------------------------------------------- messages
+
+
+def pattern(sender, seq, part, n):
+    """n uint32 values that differ, element by element, from those of any
+    other (sender, seq, part): data from another message or another array of
+    the same message never passes for this one."""
+    base = (sender * 1_000_003 + seq * 7_919 + part * 104_729 + 1) & 0xFFFFFFFF
+    return np.arange(n, dtype=np.uint32) * np.uint32(2_654_435_761) + np.uint32(base)
+
+
+def message_spec(rng, max_bytes):
+    """Sizes (in uint32 items) of the two arrays and the layout of the second:
+    log-uniform from 1 KiB, so that both sides of the inline threshold
+    (256 KiB) are exercised."""
+
+    def items():
+        return max(256, int(2 ** rng.uniform(10, np.log2(max_bytes))) // 4)
+
+    return (items(), items() // 2 * 2, rng.random() < 0.3)
+
+
+def make_arrays(sender, seq, spec):
+    n0, n1, fortran = spec
+    a = pattern(sender, seq, 0, n0)
+    b = pattern(sender, seq, 1, n1).view(np.int16).reshape(-1, 4)
+    if fortran:
+        b = np.asfortranarray(b)
+    # A strided view of `a` in the same message: it shares a's base.
+    return a, b, a[1::3]
+
+
+def verify(sender, seq, spec, arrays):
+    try:
+        expected = make_arrays(sender, seq, spec)
+        return len(arrays) == len(expected) and all(
+            got.dtype == want.dtype
+            and got.shape == want.shape
+            and np.array_equal(got, want)
+            for got, want in zip(arrays, expected)
+        )
+    except Exception:  # a malformed message is a corrupted one
+        return False
+
+
+# ------------------------------------------------------------- channels
+
+
+class Channel:
+    """One sender's line to its receiver, of one of the KINDS."""
+
+    def __init__(self, ctx, kind):
+        self.kind = kind
+        if kind == "pipe":
+            self.reader, self.writer = ctx.Pipe(duplex=False)
+        elif kind == "socket":
+            self.reader, self.writer = ctx.Pipe(duplex=True)
+        elif kind == "simplequeue":
+            self.reader = self.writer = ctx.SimpleQueue()
+        else:
+            self.reader = self.writer = ctx.Queue(QUEUE_DEPTH)
+
+    def send(self, obj, give_up):
+        """Returns once the message is written (put, for a Queue); False if
+        give_up() said to stop while a Queue was full."""
+        if self.kind in ("pipe", "socket"):
+            self.writer.send(obj)
+        elif self.kind == "simplequeue":
+            self.writer.put(obj)
+        else:
+            import queue
+
+            while True:
+                try:
+                    self.writer.put(obj, timeout=0.5)
+                    break
+                except queue.Full:
+                    if give_up():
+                        return False
+        return True
+
+    def recv(self):
+        if self.kind in ("pipe", "socket"):
+            return self.reader.recv()
+        return self.reader.get()
+
+    def close_in_parent(self):
+        """The driver's copies of a pipe's ends: without them a reader sees EOF
+        once its (spawned) writer is gone."""
+        if self.kind in ("pipe", "socket"):
+            self.reader.close()
+            self.writer.close()
+
+
+class Shared:
+    """Bookkeeping in shared memory, lock-free: every cell has one writer, and
+    a process killed at any instruction leaves nothing locked."""
+
+    def __init__(self, ctx, senders, receivers):
+        cells = senders * MAX_MESSAGES
+        self.confirmed = ctx.RawArray("q", senders)  # messages surely sent
+        self.handed = ctx.RawArray("q", senders)  # sends (puts) that returned
+        self.final = ctx.RawArray("q", [-1] * senders)  # set once a sender ended
+        self.begun = ctx.RawArray("d", cells)  # when its send began
+        self.status = ctx.RawArray("b", cells)
+        self.tried = ctx.RawArray("d", cells)  # when its receiver loaded it
+        self.duplicates = ctx.RawArray("q", receivers)
+        self.receiver_dead = ctx.RawArray("b", receivers)
+        self.go = ctx.RawArray("d", 1)  # when faults may start (the timeline's 0)
+
+
+def _limit_fds(soft):
+    if soft:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ------------------------------------------------------------- children
+
+
+def sender(cfg, s, channel, shared):
+    _limit_fds(cfg["sender_nofile"])
+    import torchshm  # noqa: F401  registers the reducers (spawn starts bare)
+
+    rng = random.Random(f"{cfg['seed']}/sender/{s}")
+    owner = cfg["owners"][s]
+    started = time.monotonic()
+    deadline = started + cfg["send_seconds"]
+    # Spread over the whole round, so that faults meet senders at work.
+    interval = cfg["send_seconds"] / MAX_MESSAGES
+    sent = 0
+    for seq in range(MAX_MESSAGES):
+        now = time.monotonic()
+        if now > deadline or shared.receiver_dead[owner]:
+            break
+        if now < started + seq * interval:
+            time.sleep(started + seq * interval - now)
+        spec = message_spec(rng, cfg["max_bytes"])
+        message = (s, seq, spec, make_arrays(s, seq, spec))
+        shared.begun[s * MAX_MESSAGES + seq] = time.monotonic()
+        try:
+            if not channel.send(message, lambda: shared.receiver_dead[owner]):
+                break
+        except BrokenPipeError:
+            break  # its receiver was killed
+        sent = shared.handed[s] = seq + 1
+        if channel.kind != "queue":
+            shared.confirmed[s] = sent
+        del message
+        if cfg["pause"]:
+            time.sleep(rng.uniform(0, cfg["pause"]))
+    if channel.kind == "queue":
+        if shared.receiver_dead[owner]:
+            os._exit(0)  # its feeder may block on a pipe nobody reads
+        channel.writer.close()
+        channel.writer.join_thread()
+        shared.confirmed[s] = sent
+    if cfg["abrupt_exit"][s] and channel.kind != "queue":
+        # "A sender may exit right after sending": no finalizers at all.
+        os._exit(0)
+
+
+def receiver(cfg, r, channels, shared, result_path):
+    _limit_fds(cfg["receiver_nofile"])
+    import torchshm  # noqa: F401
+
+    rng = random.Random(f"{cfg['seed']}/receiver/{r}")
+    window = rng.choice([0, 2, 8, 32])
+    lock = threading.Lock()
+    held = []
+    errors = []  # anything a soak message should never meet
+    failures = []  # messages that arrived but did not load
+    last_seen = {s: time.monotonic() for s, _ in channels}
+
+    def check_again(item):
+        s, seq, spec, arrays = item
+        if not verify(s, seq, spec, arrays):
+            shared.status[s * MAX_MESSAGES + seq] = CORRUPT_LATER
+
+    def read(s, channel):
+        # Blocking reads in a thread of their own: the tail of a channel whose
+        # sender was killed mid-write never completes, and is never needed.
+        expect = 0
+        while True:
+            try:
+                message = channel.recv()
+            except EOFError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EBADF, errno.EPIPE, errno.ECONNRESET):
+                    return
+                message, failure = None, e
+            except Exception as e:  # the bytes arrived; loading them failed
+                message, failure = None, e
+            now = time.monotonic()
+            if message is None:
+                # A message is consumed whole before it is loaded, and a
+                # channel keeps order: the failed one is the one expected.
+                shared.tried[s * MAX_MESSAGES + expect] = now
+                shared.status[s * MAX_MESSAGES + expect] = FAILED
+                failures.append(
+                    f"s{s}#{expect} at {now - shared.go[0]:.2f} s:"
+                    f" {type(failure).__name__}: {failure}"
+                )
+                expect += 1
+                last_seen[s] = now
+                continue
+            try:
+                got_s, seq, spec, arrays = message
+                index = got_s * MAX_MESSAGES + seq
+            except (TypeError, ValueError):
+                errors.append(f"s{s}#{expect}: not a soak message: {message!r:.80}")
+                expect += 1
+                continue
+            if got_s != s or seq != expect:
+                errors.append(f"s{s}: got s{got_s}#{seq}, expected #{expect}")
+            if shared.status[index] != UNSEEN:
+                shared.duplicates[r] += 1
+            else:
+                shared.tried[index] = now
+                good = verify(got_s, seq, spec, arrays)
+                shared.status[index] = OK if good else CORRUPT
+            expect = seq + 1
+            last_seen[s] = now
+            if window:
+                with lock:
+                    held.append(message)
+                    if len(held) > window:
+                        check_again(held.pop(rng.randrange(len(held))))
+            del message, arrays
+
+    for s, channel in channels:
+        threading.Thread(target=read, args=(s, channel), daemon=True).start()
+
+    # Done once every message its senders sent has been seen; a hang if one
+    # stays outstanding for HANG seconds without the channel moving.
+    hang = []
+    waiting_since = {}
+    low = {s: 0 for s, _ in channels}  # every message below it was seen
+    while True:
+        now = time.monotonic()
+        done = True
+        for s, _ in channels:
+            final = shared.final[s]
+            target = final if final >= 0 else shared.confirmed[s]
+            base = s * MAX_MESSAGES
+            while low[s] < target and shared.status[base + low[s]] != UNSEEN:
+                low[s] += 1
+            if final < 0 or low[s] < target:
+                done = False
+            if low[s] >= target:
+                waiting_since.pop(s, None)
+                continue
+            since = max(waiting_since.setdefault(s, now), last_seen[s])
+            if now - since > cfg["hang_seconds"]:
+                outstanding = [
+                    q
+                    for q in range(low[s], target)
+                    if shared.status[base + q] == UNSEEN
+                ]
+                hang.append({"sender": s, "outstanding": outstanding[:10]})
+        if done or hang:
+            break
+        time.sleep(0.05)
+    with lock:
+        for item in held:
+            check_again(item)
+        held.clear()
+    with open(result_path, "w") as f:
+        json.dump({"hang": hang, "errors": errors[:20], "failures": failures[:20]}, f)
+
+
+# ------------------------------------------------------------- the driver
+
+
+def keeper_pids(sessions):
+    """Keeper processes of these sessions, whoever started them: a keeper
+    killed is replaced by whichever member needs one first, so the pid that
+    torchshm._session.keeper_pid() gave at the start goes stale."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        argv = [a.decode(errors="replace") for a in argv if a]
+        # `python -I -S .../_keeper.py SESSION [more arguments]`
+        at = [i for i, a in enumerate(argv) if "_keeper" in a]
+        if at and at[0] + 1 < len(argv) and argv[at[0] + 1] in sessions:
+            found[int(entry)] = argv[at[0] + 1]
+    return found
+
+
+def parent_pid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def fault_schedule(rng, cfg):
+    """(seconds after the senders started, fault) pairs."""
+    window = cfg["send_seconds"]
+    events = []
+    for fault, count in cfg["faults"].items():
+        events += [(rng.uniform(0.2, window), fault) for _ in range(count)]
+    return sorted(events)
+
+
+def driver(cfg):
+    if cfg["pool_bytes"] is not None:
+        os.environ["TORCHSHM_POOL_BYTES"] = cfg["pool_bytes"]
+    if cfg["pool_idle"] is not None:
+        os.environ["TORCHSHM_POOL_IDLE_SECONDS"] = cfg["pool_idle"]
+    import multiprocessing as mp
+
+    import torchshm  # noqa: F401
+    from torchshm import _session
+
+    _session.join()
+    session = _session.session_id()
+    print("SESSION", session, _session.keeper_pid(), flush=True)
+
+    rng = random.Random(f"{cfg['seed']}/driver")
+    ctx = mp.get_context(cfg["method"])
+    n_send, n_recv = len(cfg["kinds"]), cfg["receivers"]
+    shared = Shared(ctx, n_send, n_recv)
+    channels = [Channel(ctx, kind) for kind in cfg["kinds"]]
+    workdir = tempfile.mkdtemp(prefix="soak-round-")
+    results = [os.path.join(workdir, f"receiver-{r}.json") for r in range(n_recv)]
+    receivers = [
+        ctx.Process(
+            target=receiver,
+            args=(
+                cfg,
+                r,
+                [(s, c) for s, c in enumerate(channels) if cfg["owners"][s] == r],
+                shared,
+                results[r],
+            ),
+            name=f"soak-receiver-{r}",
+            daemon=True,
+        )
+        for r in range(n_recv)
+    ]
+    senders = [
+        ctx.Process(
+            target=sender,
+            args=(cfg, s, channels[s], shared),
+            name=f"soak-sender-{s}",
+            daemon=True,
+        )
+        for s in range(n_send)
+    ]
+    for p in receivers + senders:
+        p.start()
+    for channel in channels:
+        channel.close_in_parent()
+
+    killed_senders = {}  # sender -> monotonic time of its SIGKILL
+    killed_receivers = {}  # receiver -> monotonic time of its SIGKILL
+    keeper_kills = []
+    stopped = []  # (resume at, pid)
+    hangs = []
+    cut_short = set()  # receivers the driver killed for hanging
+    faults_done = {}
+    timeline = []  # seconds after the senders started: what was done
+
+    def sender_ended(s):
+        return shared.final[s] >= 0
+
+    def settle():
+        for s, p in enumerate(senders):
+            if not sender_ended(s) and p.exitcode is not None:
+                shared.final[s] = shared.confirmed[s]
+
+    keepers_seen = set(keeper_pids({session}))
+    watched_at = [0.0]
+
+    def watch_keepers(now):
+        """Notes each new keeper and which process started it (its parent,
+        while that lives), on the timeline."""
+        if now - watched_at[0] < 0.25:
+            return
+        watched_at[0] = now
+        roles = {os.getpid(): "the driver"}
+        roles.update((p.pid, f"sender {s}") for s, p in enumerate(senders))
+        roles.update((p.pid, f"receiver {r}") for r, p in enumerate(receivers))
+        for pid in set(keeper_pids({session})) - keepers_seen:
+            keepers_seen.add(pid)
+            parent = parent_pid(pid)
+            timeline.append(
+                f"{now - shared.go[0]:.2f} s: keeper {pid} running, started by"
+                f" {roles.get(parent, f'pid {parent}')}"
+            )
+
+    def resume_due(now):
+        for item in [x for x in stopped if x[0] <= now]:
+            stopped.remove(item)
+            _signal(item[1], signal.SIGCONT)
+
+    def fire(fault):
+        """Inflicts `fault` on a target drawn among those it applies to; what
+        it did, for the timeline, or None if nothing qualified."""
+        live_senders = [
+            s for s, p in enumerate(senders) if p.is_alive() and not sender_ended(s)
+        ]
+        live_receivers = [
+            r for r, p in enumerate(receivers) if r not in killed_receivers
+        ]
+        if fault == "sender_kill":
+            targets = [s for s in live_senders if shared.handed[s] > 0]
+            if not targets:
+                return None
+            s = rng.choice(targets)
+            killed_senders[s] = time.monotonic()
+            _signal(senders[s].pid, signal.SIGKILL)
+            return f"SIGKILL sender {s} after {shared.handed[s]} sends"
+        if fault == "receiver_kill":
+            if len(live_receivers) < 2:
+                return None
+            r = rng.choice(live_receivers)
+            killed_receivers[r] = time.monotonic()
+            shared.receiver_dead[r] = 1
+            _signal(receivers[r].pid, signal.SIGKILL)
+            return f"SIGKILL receiver {r}"
+        if fault in ("keeper_kill", "keeper_stop"):
+            pids = list(keeper_pids({session}))
+            if not pids:
+                return None
+            pid = rng.choice(pids)
+            what = f"keeper {pid}"
+            if fault == "keeper_kill":
+                keeper_kills.append(time.monotonic())
+                _signal(pid, signal.SIGKILL)
+                return f"SIGKILL {what}"
+        else:  # "stop": a sender or a receiver
+            targets = [(f"sender {s}", senders[s].pid) for s in live_senders] + [
+                (f"receiver {r}", receivers[r].pid) for r in live_receivers
+            ]
+            if not targets:
+                return None
+            what, pid = rng.choice(targets)
+        if not _signal(pid, signal.SIGSTOP):
+            return None
+        seconds = rng.uniform(0.3, 2.0)
+        stopped.append((time.monotonic() + seconds, pid))
+        return f"SIGSTOP {what} for {seconds:.1f} s"
+
+    try:
+        # Faults start once every sender sent something (spawn children take
+        # seconds to import torch), so that "killed after sending" holds.
+        started = time.monotonic()
+        while time.monotonic() - started < STARTUP_SECONDS:
+            settle()
+            if all(shared.handed[s] > 0 or sender_ended(s) for s in range(n_send)):
+                break
+            time.sleep(0.05)
+        go = shared.go[0] = time.monotonic()
+        events = fault_schedule(rng, cfg)
+        # Every sender stops sending by go + send_seconds; one still at it
+        # HANG seconds later is stuck.
+        give_up = go + cfg["send_seconds"] + cfg["hang_seconds"]
+        while True:
+            now = time.monotonic()
+            resume_due(now)
+            watch_keepers(now)
+            while events and go + events[0][0] <= now:
+                at, fault = events.pop(0)
+                done = fire(fault)
+                if done:
+                    faults_done[fault] = faults_done.get(fault, 0) + 1
+                    timeline.append(f"{time.monotonic() - go:.2f} s: {done}")
+                elif at + 0.5 < cfg["send_seconds"]:
+                    # No target yet (a keeper not restarted yet): try again.
+                    events.append((at + 0.5, fault))
+                    events.sort()
+            settle()
+            for s, p in enumerate(senders):
+                # Blocked on a pipe that no one will read again: not a hang.
+                dead = killed_receivers.get(cfg["owners"][s])
+                if not sender_ended(s) and dead and now > dead + 2:
+                    p.kill()
+                    p.join(5)
+                    shared.final[s] = shared.confirmed[s]
+            if all(sender_ended(s) for s in range(n_send)):
+                break
+            if now > give_up:
+                for s, p in enumerate(senders):
+                    if not sender_ended(s):
+                        if cfg["owners"][s] not in killed_receivers:
+                            hangs.append(f"sender {s} still sending")
+                        p.kill()
+                        p.join(5)
+                        shared.final[s] = shared.confirmed[s]
+                break
+            time.sleep(0.05)
+        for _, pid in stopped:
+            _signal(pid, signal.SIGCONT)
+        stopped.clear()
+        # Receivers end by themselves: done, or a hang they report.
+        deadline = time.monotonic() + cfg["hang_seconds"] + 60
+        for r, p in enumerate(receivers):
+            while p.exitcode is None and time.monotonic() < deadline:
+                p.join(0.25)
+                watch_keepers(time.monotonic())
+            if p.is_alive():
+                if r not in killed_receivers:
+                    hangs.append(f"receiver {r} did not finish")
+                    cut_short.add(r)
+                p.kill()
+                p.join(5)
+    finally:
+        for _, pid in stopped:
+            _signal(pid, signal.SIGCONT)
+        for p in senders + receivers:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    watched_at[0] = 0.0
+    watch_keepers(time.monotonic())
+    counts = tally(cfg, shared, killed_senders, killed_receivers, keeper_kills)
+    errors, failures = [], []
+    for r, path in enumerate(results):
+        if r in killed_receivers:
+            continue
+        try:
+            with open(path) as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            if not any(h.startswith(f"receiver {r} ") for h in hangs):
+                errors.append(f"receiver {r} wrote no report")
+            continue
+        for h in report["hang"]:
+            hangs.append(f"receiver {r} waited for s{h['sender']} {h['outstanding']}")
+        errors += [f"receiver {r}: {e}" for e in report["errors"]]
+        failures += [f"receiver {r}: {e}" for e in report["failures"]]
+        os.unlink(path)
+    # A killed receiver's report (or one it was still writing) may be there.
+    shutil.rmtree(workdir, ignore_errors=True)
+    # A sender the driver killed (its receiver dead, or stuck) exits -SIGKILL.
+    for s, p in enumerate(senders):
+        if s not in killed_senders and p.exitcode not in (0, -signal.SIGKILL):
+            errors.append(f"sender {s} exited with {p.exitcode}")
+    for r, p in enumerate(receivers):
+        if r not in killed_receivers and r not in cut_short and p.exitcode != 0:
+            errors.append(f"receiver {r} exited with {p.exitcode}")
+    counts.update(
+        hangs=len(hangs),
+        hang_details=hangs,
+        errors=errors,
+        load_failures=failures,
+        timeline=timeline,
+        pids=dict(
+            [(os.getpid(), "driver")]
+            + [(p.pid, f"sender {s}") for s, p in enumerate(senders)]
+            + [(p.pid, f"receiver {r}") for r, p in enumerate(receivers)]
+        ),
+        faults=faults_done,
+        session=session,
+    )
+    print("RESULT", json.dumps(counts), flush=True)
+
+
+def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
+    c = dict(
+        sent=0,
+        received=0,
+        corrupted=0,
+        duplicated=sum(shared.duplicates),
+        lost_live=0,
+        lost_dead=0,
+        lost_with_receiver=0,
+        unconfirmed=0,
+        lost_live_samples=[],
+    )
+
+    def every_holder_died(s, seq):
+        # Its sender died, and a keeper that had its segment died after that
+        # (or just before, too soon for the sender to register it again).
+        if s not in killed_senders:
+            return False
+        index = s * MAX_MESSAGES + seq
+        begun, death = shared.begun[index], killed_senders[s]
+        tried = shared.tried[index] or float("inf")  # never arrived: not tried
+        return death < tried and any(
+            begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE for k in keeper_kills
+        )
+
+    for s in range(len(cfg["kinds"])):
+        final = shared.final[s]
+        receiver_killed = cfg["owners"][s] in killed_receivers
+        for seq in range(MAX_MESSAGES):
+            status = shared.status[s * MAX_MESSAGES + seq]
+            if seq >= final and status == UNSEEN:
+                if s in killed_senders and shared.begun[s * MAX_MESSAGES + seq]:
+                    c["unconfirmed"] += 1  # its sender killed before it counted
+                continue
+            c["sent"] += 1
+            if status in RECEIVED:
+                c["received"] += 1
+                c["corrupted"] += status != OK
+            elif status == UNSEEN and receiver_killed:
+                c["lost_dead"] += 1
+                c["lost_with_receiver"] += 1
+            elif every_holder_died(s, seq):
+                c["lost_dead"] += 1
+            else:
+                c["lost_live"] += 1
+                if len(c["lost_live_samples"]) < 10:
+                    c["lost_live_samples"].append(
+                        f"s{s}#{seq} ({cfg['kinds'][s]}, "
+                        f"{'never arrived' if status == UNSEEN else 'failed to load'}"
+                        f"{', sender killed' if s in killed_senders else ''})"
+                    )
+    return c
+
+
+# ------------------------------------------------------------- the soak
+
+
+def round_config(rng, index, send_seconds, hang_seconds):
+    n_send = rng.randint(1, 4)
+    n_recv = rng.randint(1, min(3, n_send))
+    owners = [s % n_recv for s in range(n_send)]
+    rng.shuffle(owners)
+    return {
+        "index": index,
+        "seed": rng.getrandbits(32),
+        "method": rng.choice(("fork", "spawn")),
+        "pool_bytes": rng.choice(("0", None)),
+        "pool_idle": rng.choice((None, None, "0.5")),
+        "sender_nofile": rng.choice((None, 256)),
+        "receiver_nofile": rng.choice((None, None, 128)),
+        "max_bytes": rng.choice((64 << 10, 1 << 20, 4 << 20)),
+        "kinds": [rng.choice(KINDS) for _ in range(n_send)],
+        "receivers": n_recv,
+        "owners": owners,
+        "pause": rng.choice((0.0, 0.002, 0.02)),
+        "abrupt_exit": [rng.random() < 0.5 for _ in range(n_send)],
+        "send_seconds": send_seconds,
+        "hang_seconds": hang_seconds,
+        "faults": {
+            "sender_kill": rng.randint(0, n_send),
+            "stop": rng.randint(0, 3),
+            "keeper_kill": rng.randint(0, 2),
+            "keeper_stop": rng.randint(0, 2),
+            "receiver_kill": int(n_recv > 1 and rng.random() < 0.3),
+        },
+    }
+
+
+def describe(cfg):
+    def size(n):
+        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+    nofile = f"{cfg['sender_nofile'] or '-'}/{cfg['receiver_nofile'] or '-'}"
+    faults = ", ".join(f"{k} {v}" for k, v in cfg["faults"].items() if v)
+    pool = "off" if cfg["pool_bytes"] == "0" else "on"
+    idle = f" idle {cfg['pool_idle']} s" if cfg["pool_idle"] else ""
+    return (
+        f"{cfg['method']}, pool {pool}{idle}, nofile {nofile}, "
+        f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "
+        f"{cfg['receivers']} receivers {cfg['owners']}, up to {size(cfg['max_bytes'])},"
+        f" pause {cfg['pause']} s, faults: {faults or 'none'}"
+    )
+
+
+def run_round(cfg, log_path):
+    """Runs one driver in a process session of its own (so that killpg ends
+    all of it but the keeper, which torchshm starts in a session of its own).
+    Returns (session or None, result or None, driver pid)."""
+    env = dict(os.environ)
+    for name in ("SESSION", "POOL_BYTES", "POOL_IDLE_SECONDS", "DISABLE"):
+        env.pop(f"TORCHSHM_{name}", None)
+    timeout = STARTUP_SECONDS * 2 + cfg["send_seconds"] + cfg["hang_seconds"] * 2 + 60
+    with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--driver", json.dumps(cfg)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        session = result = None
+        for line in out:
+            word, _, rest = line.partition(" ")
+            if word == "SESSION":
+                session = rest.split()[0]
+            elif word == "RESULT":
+                result = json.loads(rest)
+    if result is None:
+        why = "timed out" if timed_out else f"exited with {proc.returncode}"
+        result = {"hangs": int(timed_out), "hang_details": [], "errors": []}
+        result["errors"].append(f"driver {why} without a result")
+    return session, result, proc.pid
+
+
+def log_summary(path):
+    """What the round's processes wrote to stderr, in brief: torchshm's
+    warnings (a fallback to pickling by value is no loss, but worth seeing)
+    and tracebacks."""
+    warnings, tracebacks = {}, 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            if "Warning: torchshm" in line:
+                text = line.split("Warning: ", 1)[1].strip()[:160]
+                warnings[text] = warnings.get(text, 0) + 1
+            tracebacks += line.startswith("Traceback")
+    lines = [f"{n} x warning: {text}" for text, n in warnings.items()][:3]
+    if tracebacks:
+        lines.append(f"{tracebacks} tracebacks in the log")
+    return lines
+
+
+def shm_files():
+    """Paths under /dev/shm whose names begin with torchshm, one level into any
+    such directory (a per-user directory, should the layout move to one)."""
+    found = set()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return found
+    for name in names:
+        if not name.startswith("torchshm"):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            for root, _, files in os.walk(path):
+                found.update(os.path.join(root, f) for f in files)
+        else:
+            found.add(path)
+    return found
+
+
+def file_session(path, sessions):
+    """The soak session a file belongs to: by its name, or by the session a
+    lock file names ("<pid> <session>")."""
+    words = set(re.split(r"[-.]", os.path.basename(path)))
+    for session in sessions:
+        if session in words:
+            return session
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        words = os.pread(fd, 256, 0).decode("ascii", "replace").split()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return words[-1] if words and words[-1] in sessions else None
+
+
+def describe_file(path, roles):
+    """For a lock file, the process it names ("<pid> <session>") as the soak
+    knew it, and how old the file is."""
+    try:
+        age = time.time() - os.lstat(path).st_mtime
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        words = os.pread(fd, 256, 0).decode("ascii", "replace").split()
+    except OSError:
+        words = []
+    finally:
+        os.close(fd)
+    pid = int(words[0]) if words and words[0].isdigit() else None
+    who = f", pid {pid}: {roles.get(pid, 'not a driver, sender or receiver')}"
+    return f" (written {age:.1f} s ago{who if pid else ''})"
+
+
+def process_session(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def shmem_kib():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1])
+    return 0
+
+
+def soak(args):
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    rng = random.Random(seed)
+    log_dir = tempfile.mkdtemp(prefix="soak-logs-")
+    print(f"soak: seed {seed}, {args.minutes} min, logs in {log_dir}", flush=True)
+    files_before = shm_files()
+    shmem_before = shmem_kib()
+    end = time.monotonic() + args.minutes * 60
+    sessions, drivers = set(), set()
+    roles = {}  # pid -> what it was in which round
+    timelines = {}  # session -> (round, its timeline)
+    totals = dict.fromkeys(
+        (
+            "sent",
+            "received",
+            "corrupted",
+            "duplicated",
+            "lost_live",
+            "lost_dead",
+            "lost_with_receiver",
+            "unconfirmed",
+            "hangs",
+        ),
+        0,
+    )
+    errors = 0
+    index = 0
+    while time.monotonic() < end - 8 and (args.rounds is None or index < args.rounds):
+        left = end - time.monotonic()
+        send_seconds = round(min(rng.uniform(6, 15), max(3.0, left - 5)), 1)
+        cfg = round_config(rng, index, send_seconds, args.hang_seconds)
+        if args.only_round is not None and index != args.only_round:
+            index += 1  # drawn, to keep the seed's sequence, but not run
+            if index > args.only_round:
+                break
+            continue
+        print(
+            f"round {index} (seed {seed}, round seed {cfg['seed']}): {describe(cfg)}",
+            flush=True,
+        )
+        log_path = os.path.join(log_dir, f"round-{index}.log")
+        began = time.monotonic()
+        session, result, pid = run_round(cfg, log_path)
+        drivers.add(pid)
+        timelines[session] = (index, result.get("timeline", []))
+        for child, role in result.get("pids", {}).items():
+            roles[int(child)] = f"{role} of round {index}"
+        if session:
+            sessions.add(session)
+        for key in totals:
+            totals[key] += result.get(key, 0)
+        errors += len(result["errors"])
+        print(
+            f"  {time.monotonic() - began:.1f} s, session {session}: "
+            f"sent {result.get('sent', '?')}, received {result.get('received', '?')},"
+            f" corrupted {result.get('corrupted', '?')}, duplicated"
+            f" {result.get('duplicated', '?')}, lost while a holder lived"
+            f" {result.get('lost_live', '?')}, lost after every holder died"
+            f" {result.get('lost_dead', '?')}, hangs {result['hangs']},"
+            f" unconfirmed {result.get('unconfirmed', '?')}; faults"
+            f" {result.get('faults', {})}",
+            flush=True,
+        )
+        problems = (
+            result.get("lost_live_samples", [])
+            + result["hang_details"]
+            + result["errors"]
+            + result.get("load_failures", [])
+        )
+        for line in problems[:12] + log_summary(log_path):
+            print(f"    {line}", flush=True)
+        if problems:
+            for line in result.get("timeline", []):
+                print(f"    at {line}", flush=True)
+        if problems or result.get("corrupted") or result.get("duplicated"):
+            print(f"    log: {log_path}", flush=True)
+        index += 1
+
+    time.sleep(LEFTOVER_DELAY)
+    ours = {p for p in shm_files() if file_session(p, sessions)}
+    new = shm_files() - files_before - ours
+    keepers = keeper_pids(sessions)
+    others = {
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and process_session(int(p)) in drivers
+    }
+    shmem = (shmem_kib() - shmem_before) / 1024
+    shmem_note = "machine-wide"
+    if abs(shmem) > SHMEM_TOLERANCE_MIB:
+        shmem_note += f"; beyond {SHMEM_TOLERANCE_MIB} MiB"
+
+    failed = (
+        totals["corrupted"]
+        + totals["duplicated"]
+        + totals["lost_live"]
+        + totals["hangs"]
+        + len(ours)
+        + len(keepers)
+        + len(others)
+        + errors
+    )
+    print(
+        f"\n{len(sessions)} rounds, seed {seed}\n"
+        f"sent {totals['sent']} / received {totals['received']} / corrupted"
+        f" {totals['corrupted']} / duplicated {totals['duplicated']} / lost while a"
+        f" holder lived {totals['lost_live']} / lost after every holder died"
+        f" {totals['lost_dead']} (with their receiver {totals['lost_with_receiver']})"
+        f" / hangs {totals['hangs']} / leftovers: files {len(ours)}, keepers"
+        f" {len(keepers)}, processes {len(others)}, shmem {shmem:+.1f} MiB"
+        f" ({shmem_note})\n"
+        f"not counted as sent: {totals['unconfirmed']} cut by a sender's SIGKILL;"
+        f" errors {errors}; other new torchshm files {len(new)}",
+        flush=True,
+    )
+    for path in sorted(ours)[:10]:
+        print(f"  leftover file {path}{describe_file(path, roles)}", flush=True)
+    for pid, session in sorted(keepers.items()):
+        print(f"  leftover keeper {pid} of session {session}", flush=True)
+    for pid in sorted(others):
+        print(f"  leftover process {pid}", flush=True)
+    for session in sorted(
+        {file_session(p, sessions) for p in ours} | set(keepers.values())
+    ):
+        round_index, timeline = timelines.get(session, (None, []))
+        print(f"  session {session} (round {round_index}):", flush=True)
+        for line in timeline:
+            print(f"    at {line}", flush=True)
+    # Reported; now leave the machine as it was (unless asked to keep them
+    # for a look).
+    for pid in [] if args.keep_leftovers else list(keepers) + list(others):
+        _signal(pid, signal.SIGCONT)
+        _signal(pid, signal.SIGKILL)
+    print("FAILED" if failed else "OK", flush=True)
+    return 1 if failed else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="stop after these")
+    parser.add_argument(
+        "--only-round",
+        type=int,
+        default=None,
+        help="run only this round of the seed's sequence (to repeat one)",
+    )
+    parser.add_argument(
+        "--hang-seconds",
+        type=float,
+        default=60.0,
+        help="a receiver waiting this long for a sent message is a hang",
+    )
+    parser.add_argument(
+        "--keep-leftovers",
+        action="store_true",
+        help="leave leftover keepers and processes running, to look at them",
+    )
+    parser.add_argument("--driver", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.driver:
+        driver(json.loads(args.driver))
+        return 0
+    return soak(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
