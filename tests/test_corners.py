@@ -280,13 +280,13 @@ def test_trim_and_release_never_raise_with_torchshm_disabled():
 def test_trim_and_release_never_raise_after_torchshm_exits():
     lines, run = run_script(
         """
-        import atexit
+        from multiprocessing import util
         a = np.ones(1 << 18)
         handle = torchshm.dumps(a)
         torchshm.trim()
-        def late():  # runs after torchshm's exit finalizer
+        def late():  # after torchshm's exit finalizer (exitpriority -100)
             report(freed=torchshm.trim(), released=torchshm.release(handle))
-        atexit.register(late)
+        util.Finalize(None, late, exitpriority=-200)
         """
     )
     result = only(lines, run)
