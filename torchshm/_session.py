@@ -104,7 +104,7 @@ def _join(session):
         # split its members.
         session = session or secrets.token_hex(6)
         _start_keeper(session)
-        conn = _connect(session)
+        conn = _connect_soon(session)
         if conn is None:
             raise _unavailable("its keeper did not start")
     _keeper_pid = _peer_pid(conn)
@@ -365,6 +365,16 @@ def _connect(session):
         pass
     conn.close()
     return None
+
+
+def _connect_soon(session):
+    """_connect, retried for a deadline's length: when two members restart a
+    session's keeper at once, the one whose keeper lost the session's lock
+    connects to the other, which may not listen yet."""
+    deadline = time.monotonic() + _config.keeper_timeout()
+    while (conn := _connect(session)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return conn
 
 
 def _peer_creds(conn):
