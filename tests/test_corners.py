@@ -612,3 +612,31 @@ def test_import_without_proc_leaves_torchshm_working_or_off_never_raising():
         wrapper=wrapper,
     )
     assert only(lines, run) == {"same": float(1 << 18)}, run.stderr
+
+
+# ------------------------------------------------ a receiver at its fd limit
+
+RECEIVER_AT_ITS_FD_LIMIT = """
+# A receiver whose soft fd limit leaves no fd free still loads what it is
+# sent (through the creator's fd: the keeper is killed first).
+import resource
+message = bytes(ForkingPickler.dumps(np.full(1 << 17, 9.0)))
+kill_keeper()
+code = (
+    "import os, resource, sys, torchshm\\n"
+    "from multiprocessing.reduction import ForkingPickler\\n"
+    "blob = sys.stdin.buffer.read()\\n"
+    "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\\n"
+    "used = len(os.listdir('/proc/self/fd')) - 1\\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (used, hard))\\n"
+    "print(float(ForkingPickler.loads(blob).sum()))"
+)
+run = subprocess.run([sys.executable, "-c", code], input=message,
+                     capture_output=True, timeout=60)
+report(out=run.stdout.decode().strip(), err=run.stderr.decode()[-800:])
+"""
+
+
+def test_a_receiver_at_its_fd_limit_still_loads():
+    result = only(*run_script(RECEIVER_AT_ITS_FD_LIMIT))
+    assert result["out"] == str(9.0 * (1 << 17)), result["err"]

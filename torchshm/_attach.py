@@ -9,7 +9,16 @@ import functools
 import os
 import sys
 
-from torchshm import _config, _expiry, _holdings, _keeper, _mappings, _session, _stats
+from torchshm import (
+    _config,
+    _expiry,
+    _fds,
+    _holdings,
+    _keeper,
+    _mappings,
+    _session,
+    _stats,
+)
 from torchshm._native import _C
 
 
@@ -126,19 +135,34 @@ def _open_segment_fd(path):
     this process holds on it, and a terminal could become its controlling
     one."""
     try:
-        probe = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return None
+        probe = _open_at_limit(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            raise  # at the hard limit: say so, not "gone"
+        return None  # no such process or fd (or not ours)
     try:
         here = f"/proc/self/fd/{probe}"
         if not os.readlink(here).startswith(SEGMENT_LINK):
             return None
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
-        return os.open(here, flags)
-    except OSError:
+        return _open_at_limit(here, flags)
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            raise
         return None
     finally:
         os.close(probe)
+
+
+def _open_at_limit(path, flags):
+    """os.open, raising the soft fd limit once if it is reached: a receiver
+    at its limit must still load what it was sent (an fd for an instant)."""
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE or not _fds.raise_soft_limit():
+            raise
+    return os.open(path, flags)
 
 
 def _check_generation(segment, generation):

@@ -10,9 +10,17 @@ _expiry.py, fork and exit in _lifecycle.py.
 """
 
 import errno
-import resource
 
-from torchshm import _config, _expiry, _holdings, _mappings, _memory, _session, _stats
+from torchshm import (
+    _config,
+    _expiry,
+    _fds,
+    _holdings,
+    _mappings,
+    _memory,
+    _session,
+    _stats,
+)
 from torchshm._native import _C
 
 # A segment is never larger than this (a size class of anything larger
@@ -24,8 +32,6 @@ MAX_SEGMENT_BYTES = 1 << 56
 # it, no new segment is made (the sender pickles by value) rather than one
 # whose messages a keeper's death could lose.
 CREATOR_FD_SHARE = 0.25
-# An unlimited hard limit counts as this many fds.
-UNLIMITED_FDS = 1 << 20
 
 
 def allocate(nbytes):
@@ -104,18 +110,16 @@ def _reserve_creator_fd():
     """Makes room for one more creator fd within CREATOR_FD_SHARE of the fd
     limit, raising the soft limit towards the hard one; raises
     SharedMemoryError(EMFILE) past the hard limit's share."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = _fds.limits()
     if _C.open_creator_fds() + 1 <= CREATOR_FD_SHARE * soft:
         return
     _C.prune_in_flight()  # those whose messages were read since
     wanted = _C.open_creator_fds() + 1
-    hard_fds = UNLIMITED_FDS if hard == resource.RLIM_INFINITY else hard
-    if wanted > CREATOR_FD_SHARE * hard_fds:
+    if wanted > CREATOR_FD_SHARE * hard:
         raise _C.SharedMemoryError(
             errno.EMFILE,
             f"torchshm: this process keeps {wanted - 1} segment fds, a quarter"
             f" of its hard fd limit ({hard}); raise `ulimit -Hn`",
         )
     if wanted > CREATOR_FD_SHARE * soft:
-        new_soft = min(hard_fds, max(2 * soft, int(wanted / CREATOR_FD_SHARE) + 1))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+        _fds.raise_soft_limit(int(wanted / CREATOR_FD_SHARE) + 1)

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from torchshm import _config, _keeper
+from torchshm import _config, _fds, _keeper
 from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
@@ -217,6 +217,11 @@ def rejoin():
                     [f"R {index} {segment.uid:x}".encode()],
                     [segment.fd],
                 )
+            except TimeoutError:
+                # Not registered: the next rejoin (check(), within a second)
+                # registers them all again; the keeper ignores repeats.
+                _drop_connection(timed_out=True)
+                return
             except OSError:
                 pass
 
@@ -344,7 +349,12 @@ def _request(conn, message):
     """Sends one request and returns (reply, fds); TimeoutError past the
     connection's deadline (_connect)."""
     conn.send(message)
-    reply, fds, _flags, _addr = socket.recv_fds(conn, 64, 2)
+    reply, fds, flags, _addr = socket.recv_fds(conn, 64, 2)
+    if flags & socket.MSG_CTRUNC:  # fds dropped: this process is at its limit
+        for fd in fds:
+            os.close(fd)
+        _fds.raise_soft_limit()
+        raise OSError(errno.EMFILE, "torchshm: the keeper's reply lost its fds")
     if not reply:
         for fd in fds:
             os.close(fd)
