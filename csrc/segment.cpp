@@ -261,8 +261,11 @@ void Segment::release_slot(int slot, uint64_t holder) {
   uint64_t expected = holder;
   if (!header()->slots[slot].word.compare_exchange_strong(expected, 0)) return;
   // A pinned segment may be named by messages that hold no slot: only the
-  // keeper closes it, when its session ends.
-  if (!pinned() && !has_live_holder()) unlink();
+  // keeper closes it, when its session ends. A scan can be torn (a holder
+  // sending it on puts the message's ticket in a lower slot, then lets go of
+  // its own, higher one, while the scan passes between them): the ticket
+  // stays, so a second scan finds it.
+  if (!pinned() && !has_live_holder() && !has_live_holder()) unlink();
 }
 
 uint64_t Segment::issue_ticket(uint64_t channel, uint64_t writer) {

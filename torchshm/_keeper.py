@@ -536,8 +536,20 @@ class Keeper:
         for entry in list(self.by_uid.values()):
             header = read_header(entry.fd)
             if header is None or not self.held(header, tickets_alive, alive):
-                self.close(entry)
+                self.close_if_unheld(entry, tickets_alive, alive)
         return len(self.by_uid)
+
+    def close_if_unheld(self, entry, tickets_alive, alive):
+        """Closes a segment found unheld, after reading its header once more.
+        One read can be torn: a holder that sends it on puts the message's
+        ticket in a lower slot, then lets go of its own slot, and a read
+        that copies the lower slot before the ticket and the higher one after
+        the release sees neither. The ticket stays, so a second read sees it
+        (the message in flight), unless no holder was left."""
+        header = read_header(entry.fd)
+        if header is not None and self.held(header, tickets_alive, alive):
+            return
+        self.close(entry)
 
     def forget_unregistered(self, now):
         """Frees indices claimed by creators that died before registering."""
@@ -589,7 +601,7 @@ class Keeper:
         alive = {}
         for entry, header in headers.values():
             if entry.uid in self.by_uid and not self.held(header, True, alive):
-                self.close(entry)
+                self.close_if_unheld(entry, True, alive)
 
     def judge(self, tickets, headers):
         """Writes a verdict on each ticket seen at two scans in a row whose
