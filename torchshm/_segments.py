@@ -78,6 +78,7 @@ def trim() -> int:
         freed = _holdings.pool.release_idle()
         _mappings.drop(0)
         _holdings.live.prune()
+    _C.prune_in_flight()  # segments kept for messages that were read since
     _session.close_released()
     return freed
 
