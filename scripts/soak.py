@@ -392,12 +392,18 @@ def keeper_pids(sessions):
     return found
 
 
-def parent_pid(pid):
+def stat_field(pid, index):
+    """Field `index` of /proc/<pid>/stat after the command name, as an int
+    (1: the parent's pid, 4: the process session), or None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
+            return int(f.read().rsplit(")", 1)[1].split()[index])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def parent_pid(pid):
+    return stat_field(pid, 1)
 
 
 def _signal(pid, sig):
@@ -897,11 +903,7 @@ def describe_file(path, roles):
 
 
 def process_session(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[4])
-    except (OSError, ValueError, IndexError):
-        return None
+    return stat_field(pid, 4)
 
 
 def shmem_kib():

@@ -19,10 +19,10 @@ def limits():
 def raise_soft_limit(at_least=0):
     """Raises the soft limit to at least `at_least` and at least doubles it,
     up to the hard limit. False if it is at the hard limit already."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ceiling = UNLIMITED_FDS if hard == resource.RLIM_INFINITY else hard
+    soft, ceiling = limits()
     if soft >= ceiling:
         return False
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # as it is: unlimited
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (min(ceiling, max(2 * soft, at_least)), hard)
     )
