@@ -380,3 +380,7 @@ if __name__ == "__main__":
             objects.container_access()
         if not only or "strings" in only:
             objects.string_columns()
+    if not only or "pages" in only:
+        from benchmarks import pages
+
+        pages.main()

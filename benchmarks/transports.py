@@ -44,6 +44,8 @@ LABELS = {
     "pipe_again": "pipe + pickle, 2nd sender (A/A)",
     "torchshm_collate": "torchshm.collate",
     "torchshm_born": "torchshm, allocator on",
+    "torchshm_initializer": "torchshm, initializer argument",
+    "joblib": "joblib Parallel",
 }
 PAGE = 4096
 # torchshm's fallbacks (pickled by value instead) in Sender children, by

@@ -12,6 +12,7 @@ from benchmarks.scenarios import (
     many_small,
     memory,
     metadata,
+    model_workers,
     node_memory,
     per_item,
     string_frame,
@@ -33,6 +34,7 @@ SCENARIOS = {
         metadata,
         docker_shm,
         string_frame,
+        model_workers,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.

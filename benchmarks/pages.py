@@ -1,0 +1,154 @@
+"""What a page costs: the mechanisms behind scenario 14 (a model to many
+workers), one figure each, medians of `--rounds` (default 5).
+
+    python -m benchmarks.pages            # fill, map, resend
+    python -m benchmarks.micro pages      # the same
+
+- fill: n bytes into a fresh memfd, by pwrite() (what torchshm does for a
+  fresh segment, csrc/segment.h Segment::fill) against memcpy into a fresh
+  MAP_SHARED mapping, and against memcpy into one already faulted in (the
+  pool's reuse); by size, to show the crossover.
+- map: a child maps 512 MiB of existing shmem pages read-only, MAP_PRIVATE and
+  MAP_SHARED read-write and sums them (each mapping fresh: the page faults
+  are the cost).
+- resend: torchshm's ForkingPickler.dumps of a fresh 512 MiB array (a copy)
+  against the same array sent again unchanged (a comparison with its
+  snapshot: Note [Resending an unchanged array] in csrc/snapshots.h).
+"""
+
+import mmap
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+MIB = 1 << 20
+
+
+def _median(fn, rounds):
+    samples = []
+    for _ in range(rounds):
+        samples.append(fn())
+    return statistics.median(samples)
+
+
+def _fresh_fill(nbytes, how, src):
+    fd = os.memfd_create("torchshm-bench-pages", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        t0 = time.perf_counter()
+        if how == "pwrite":
+            view, done = memoryview(src).cast("B"), 0
+            while done < nbytes:
+                done += os.pwrite(fd, view[done:], done)
+        else:
+            with mmap.mmap(fd, nbytes) as m:
+                dest = np.frombuffer(m, np.uint8)
+                if how == "memcpy, mapped":  # fault every page in first
+                    dest[:: mmap.PAGESIZE] = 1
+                    t0 = time.perf_counter()
+                dest[:] = src
+                del dest
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def fill(sizes=(64 << 10, MIB, 16 * MIB, 128 * MIB, 512 * MIB), rounds=5):
+    print(
+        "fill a fresh memfd (s, median): pwrite | memcpy into a fresh mapping"
+        " | memcpy into a mapped one"
+    )
+    for n in sizes:
+        src = np.ones(n, np.uint8)
+        row = [
+            _median(lambda h=h: _fresh_fill(n, h, src), rounds)
+            for h in ("pwrite", "memcpy, fresh", "memcpy, mapped")
+        ]
+        print(
+            f"  {n >> 10:>8} KiB  "
+            + "  ".join(f"{t:.5f}" for t in row)
+            + f"   pwrite/fresh memcpy {row[0] / row[1]:.2f}"
+        )
+
+
+def _map_and_sum(fd, nbytes, how):
+    flags, prot = {
+        "read-only": (mmap.MAP_SHARED, mmap.PROT_READ),
+        "MAP_PRIVATE": (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE),
+        "MAP_SHARED read-write": (mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+    }[how]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a fresh address space: every page faults once
+        t0 = time.perf_counter()
+        with mmap.mmap(fd, nbytes, flags=flags, prot=prot) as m:
+            np.frombuffer(m, np.uint64)[:: mmap.PAGESIZE // 8].sum()
+            os.write(write, repr(time.perf_counter() - t0).encode())
+        os._exit(0)
+    os.close(write)
+    elapsed = float(os.read(read, 64))
+    os.close(read)
+    os.waitpid(pid, 0)
+    return elapsed
+
+
+def map_kinds(nbytes=512 * MIB, rounds=5):
+    fd = os.memfd_create("torchshm-bench-pages", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.pwrite(fd, np.ones(nbytes, np.uint8), 0)
+        print(
+            f"map {nbytes >> 20} MiB of existing shmem pages and read them"
+            " (s, median):"
+        )
+        for how in ("read-only", "MAP_PRIVATE", "MAP_SHARED read-write"):
+            t = _median(lambda: _map_and_sum(fd, nbytes, how), rounds)
+            print(f"  {how:<22} {t:.4f}")
+    finally:
+        os.close(fd)
+
+
+def resend(nbytes=512 * MIB, rounds=5):
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torchshm
+
+    def timed_dumps(array):
+        t0 = time.perf_counter()
+        data = ForkingPickler.dumps(array)
+        elapsed = time.perf_counter() - t0
+        pickle.loads(data)  # claims the ticket, outside the clock
+        return elapsed
+
+    first, again = [], []
+    for _ in range(rounds):
+        torchshm.trim()  # no pooled segment: the first send is a fresh one
+        array = np.ones(nbytes // 8)
+        first.append(timed_dumps(array))
+        again.append(timed_dumps(array))
+        del array
+    stats = torchshm.stats()
+    print(
+        f"send {nbytes >> 20} MiB through torchshm (s, median): a fresh array"
+        f" {statistics.median(first):.4f}, the same array again"
+        f" {statistics.median(again):.4f}"
+        f" (snapshots_resent {stats['snapshots_resent']})"
+    )
+
+
+def main(only=()):
+    rounds = 5
+    if not only or "fill" in only:
+        fill(rounds=rounds)
+    if not only or "map" in only:
+        map_kinds(rounds=rounds)
+    if not only or "resend" in only:
+        resend(rounds=rounds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,283 @@
+"""14. One large read-only model to a pool of spawn workers: wall time until
+every worker has read it, and the copies of it the node holds.
+
+The LensKit case ("one copy in memory, no matter how many workers"): the
+parent holds a float64 model, 4 spawn workers each get it and sum it. Every
+(method, round) runs in a fresh driver process (`python -m
+benchmarks.scenarios.model_workers METHOD NBYTES WORKERS`), so no pool,
+registration or cached file carries over. The driver starts the method's
+pool and waits until every worker is up (imports included, untimed; reported
+as "pool start"), builds the model, then times from handing the model over
+until every worker has summed it. Each worker then holds it until the
+driver has read the PSS of every process: the model's cost is the PSS they
+add above the same processes idle, in model sizes. The parent's own model is
+one of them in every row: one shared copy beside it makes 2.00.
+
+Methods: a task argument through pickle, through torchshm (no `share()`), a
+`ProcessPoolExecutor` initializer argument through torchshm (timed from
+creating that pool, since the model goes with the workers' start; its pool
+start is the same pool's without a model), `torchshm.share()` first (timed),
+joblib's `Parallel` (auto-memmapping, where joblib is installed),
+`multiprocessing.shared_memory` + pickle 5 by hand, and a torch tensor after
+`share_memory_()` (torch's default `file_descriptor` strategy).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+NAME = "model_workers"
+# Method names as benchmarks/transports.py labels them, plus two.
+METHODS = (
+    "pipe",
+    "torchshm",
+    "torchshm_initializer",
+    "torchshm_shared",
+    "joblib",
+    "shm_pickle5",
+    "torch",
+)
+DRIVER_TIMEOUT = 600
+POLL = 0.002
+
+# ------------------------------------------------------------ in the workers
+
+_MODEL = None
+
+
+def _warm(method, seconds):
+    """Starts a worker as the method's pool would have it ready."""
+    if method.startswith("torchshm") or method == "torch":
+        import torchshm  # noqa: F401  (torch too)
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _init(method, model):
+    global _MODEL
+    _warm(method, 0)
+    _MODEL = model
+
+
+def _hold(model, folder):
+    """Sums the model, says so, and holds it until the driver has measured."""
+    total = float(_as_array(model).sum())
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    release = os.path.join(folder, "release")
+    while not os.path.exists(release):
+        time.sleep(POLL)
+    return total
+
+
+def _held(folder):
+    return _hold(_MODEL, folder)
+
+
+def _as_array(model):
+    if isinstance(model, tuple):  # shared_memory + pickle 5
+        global _SHM
+        import pickle
+        from multiprocessing import shared_memory
+
+        name, payload = model
+        _SHM = shared_memory.SharedMemory(name=name, track=False)
+        return pickle.loads(payload, buffers=[_SHM.buf])
+    if type(model).__module__.startswith("torch"):
+        return model.numpy()
+    return model
+
+
+# ------------------------------------------------------------ in the driver
+
+
+def _pss(pid):
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no Pss for {pid}")
+
+
+def _wait_markers(folder, n, deadline):
+    while True:
+        pids = [int(p) for p in os.listdir(folder) if p.isdigit()]
+        if len(pids) >= n:
+            return pids
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pids)} of {n} workers summed the model")
+        time.sleep(POLL)
+
+
+def _executor(method, workers, initargs=None):
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    if initargs is None:
+        return ProcessPoolExecutor(workers, mp_context=ctx)
+    return ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init, initargs=initargs
+    )
+
+
+def _start(method, workers):
+    """A warm pool, its start time and its idle workers' PSS."""
+    t0 = time.monotonic()
+    if method == "joblib":
+        from joblib import Parallel, delayed
+
+        pool = Parallel(n_jobs=workers)
+        pids = pool(delayed(_warm)(method, 0.5) for _ in range(workers))
+    else:
+        pool = _executor(method, workers)
+        pids = list(pool.map(_warm, [method] * workers, [0.5] * workers))
+    started = time.monotonic() - t0 - 0.5
+    assert len(set(pids)) == workers, "a worker ran two warm-up tasks"
+    return pool, started, sum(_pss(p) for p in set(pids))
+
+
+def drive(method, nbytes, workers):
+    """One measurement: {wall, start, copies} (run in a fresh process)."""
+    import threading
+
+    if method.startswith("torchshm") or method == "torch":
+        import torchshm  # registers its reducers (torch's too, for "torch")
+    pool, started, idle_workers = _start(method, workers)
+    model = np.arange(nbytes // 8, dtype=np.float64)
+    expected = float(model.sum())
+    before = _pss(os.getpid()) - model.nbytes + idle_workers
+    folder = tempfile.mkdtemp(prefix="torchshm-bench-")
+    results = []
+    t0 = time.monotonic()
+    if method == "torchshm_initializer":
+        pool.shutdown()
+        pool = _executor(method, workers, initargs=(method, model))
+        futures = [pool.submit(_held, folder) for _ in range(workers)]
+        done = lambda: results.extend(f.result() for f in futures)  # noqa: E731
+    elif method == "joblib":
+        from joblib import delayed
+
+        def done():
+            results.extend(pool(delayed(_hold)(model, folder) for _ in range(workers)))
+
+    else:
+        sent = model
+        if method == "torchshm_shared":
+            sent = torchshm.share(model)
+        elif method == "torch":
+            import torch
+
+            sent = torch.from_numpy(model).share_memory_()
+        elif method == "shm_pickle5":
+            sent = _shm_pickle5(model)
+        futures = [pool.submit(_hold, sent, folder) for _ in range(workers)]
+        done = lambda: results.extend(f.result() for f in futures)  # noqa: E731
+    waiter = threading.Thread(target=done, daemon=True)
+    waiter.start()
+    pids = _wait_markers(folder, workers, time.monotonic() + DRIVER_TIMEOUT)
+    wall = time.monotonic() - t0
+    after = _pss(os.getpid()) + sum(_pss(p) for p in pids)
+    open(os.path.join(folder, "release"), "w").close()
+    waiter.join(DRIVER_TIMEOUT)
+    assert results == [expected] * workers, (results, expected)
+    if method == "torchshm_initializer":
+        started = _start_only(method, workers)
+    for shm in _SHM_KEEP:
+        shm.close()
+        shm.unlink()
+    return {"wall": wall, "start": started, "copies": (after - before) / nbytes}
+
+
+def _start_only(method, workers):
+    """How long the initializer's pool takes to start without a model."""
+    t0 = time.monotonic()
+    pool = _executor(method, workers, initargs=(method, None))
+    list(pool.map(_warm, [method] * workers, [0.5] * workers))
+    pool.shutdown()
+    return time.monotonic() - t0 - 0.5
+
+
+_SHM_KEEP = []
+
+
+def _shm_pickle5(model):
+    """The hand-written recipe: pickle 5 out-of-band buffers copied into one
+    SharedMemory, its name and the pickle sent."""
+    import pickle
+    from multiprocessing import shared_memory
+
+    buffers = []
+    payload = pickle.dumps(model, protocol=5, buffer_callback=buffers.append)
+    (buffer,) = buffers
+    raw = buffer.raw()
+    shm = shared_memory.SharedMemory(create=True, size=raw.nbytes)
+    shm.buf[: raw.nbytes] = raw
+    _SHM_KEEP.append(shm)  # unlinked by drive() once measured
+    return shm.name, payload
+
+
+def available(method):
+    if method != "joblib":
+        return True
+    try:
+        import joblib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def measure(method, nbytes, workers):
+    """Runs drive() in a fresh interpreter and returns its JSON."""
+    out = subprocess.run(
+        [sys.executable, "-m", __name__, method, str(nbytes), str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=DRIVER_TIMEOUT,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{method} driver failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(quick, bar):
+    from benchmarks.report import Result
+
+    nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 3)
+    methods = [m for m in METHODS if available(m)]
+    title = (
+        f"14. A {nbytes >> 20} MiB float64 model to {workers} spawn workers,"
+        " each sums it: wall until every sum"
+    )
+    result = Result(NAME, title, notes=[__doc__.split("\n\n")[1].replace("\n", " ")])
+    bar.reset(total=len(methods) * rounds)
+    samples = {m: [] for m in methods}
+    for _ in range(rounds):  # one run per method per round, interleaved
+        for method in methods:
+            samples[method].append(measure(method, nbytes, workers))
+            bar.update()
+    case = f"{nbytes >> 20} MiB to {workers}"
+    for method in methods:
+        runs = samples[method]
+        result.add(case, method, [r["wall"] for r in runs], warmup=0)
+    for method in methods:
+        runs = samples[method]
+        copies = sorted(r["copies"] for r in runs)[len(runs) // 2]
+        start = sorted(r["start"] for r in runs)[len(runs) // 2]
+        result.extra(case, f"{method}: copies", round(copies, 2))
+        result.extra(case, f"{method}: pool start s", round(start, 2))
+    result.summary["copies"] = {
+        m: sorted(r["copies"] for r in samples[m])[len(samples[m]) // 2]
+        for m in methods
+    }
+    result.summary["samples"] = samples
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(drive(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
