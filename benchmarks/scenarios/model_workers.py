@@ -3,9 +3,10 @@ every worker has read it, and the copies of it the node holds.
 
 The LensKit case ("one copy in memory, no matter how many workers"): the
 parent holds a float64 model, 4 spawn workers each get it and sum it. Every
-(method, round) runs in a fresh driver process (`python -m
-benchmarks.scenarios.model_workers METHOD NBYTES WORKERS`), so no pool,
-registration or cached file carries over. The driver starts the method's
+(method, round) runs in a fresh driver process (`python
+benchmarks/scenarios/model_workers.py METHOD NBYTES WORKERS`: the file, so
+that only the method's own modules are imported), so no pool, registration
+or cached file carries over. The driver starts the method's
 pool and waits until every worker is up (imports included, untimed; reported
 as "pool start"), builds the model, then times from handing the model over
 until every worker has summed it. Each worker then holds it until the
@@ -52,8 +53,10 @@ _MODEL = None
 
 def _warm(method, seconds):
     """Starts a worker as the method's pool would have it ready."""
-    if method.startswith("torchshm") or method == "torch":
+    if method.startswith("torchshm"):
         import torchshm  # noqa: F401  (torch too)
+    elif method == "torch":
+        import torch  # noqa: F401
     time.sleep(seconds)
     return os.getpid()
 
@@ -85,7 +88,10 @@ def _as_array(model):
         from multiprocessing import shared_memory
 
         name, payload = model
-        _SHM = shared_memory.SharedMemory(name=name, track=False)
+        try:  # the driver unlinks it, not this worker's tracker (3.13+)
+            _SHM = shared_memory.SharedMemory(name=name, track=False)
+        except TypeError:
+            _SHM = shared_memory.SharedMemory(name=name)
         return pickle.loads(payload, buffers=[_SHM.buf])
     if type(model).__module__.startswith("torch"):
         return model.numpy()
@@ -103,11 +109,13 @@ def _pss(pid):
     raise RuntimeError(f"no Pss for {pid}")
 
 
-def _wait_markers(folder, n, deadline):
+def _wait_markers(folder, n, deadline, waiter):
     while True:
         pids = [int(p) for p in os.listdir(folder) if p.isdigit()]
         if len(pids) >= n:
             return pids
+        if not waiter.is_alive():  # a task failed: its error is in results
+            raise RuntimeError(f"{len(pids)} of {n} workers summed the model")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(pids)} of {n} workers summed the model")
         time.sleep(POLL)
@@ -145,8 +153,8 @@ def drive(method, nbytes, workers):
     """One measurement: {wall, start, copies} (run in a fresh process)."""
     import threading
 
-    if method.startswith("torchshm") or method == "torch":
-        import torchshm  # registers its reducers (torch's too, for "torch")
+    if method.startswith("torchshm"):
+        import torchshm  # registers its reducers
     pool, started, idle_workers = _start(method, workers)
     model = np.arange(nbytes // 8, dtype=np.float64)
     expected = float(model.sum())
@@ -179,7 +187,7 @@ def drive(method, nbytes, workers):
         done = lambda: results.extend(f.result() for f in futures)  # noqa: E731
     waiter = threading.Thread(target=done, daemon=True)
     waiter.start()
-    pids = _wait_markers(folder, workers, time.monotonic() + DRIVER_TIMEOUT)
+    pids = _wait_markers(folder, workers, time.monotonic() + DRIVER_TIMEOUT, waiter)
     wall = time.monotonic() - t0
     after = _pss(os.getpid()) + sum(_pss(p) for p in pids)
     open(os.path.join(folder, "release"), "w").close()
@@ -233,8 +241,11 @@ def available(method):
 
 def measure(method, nbytes, workers):
     """Runs drive() in a fresh interpreter and returns its JSON."""
+    # The file, not the module: importing the benchmarks package would import
+    # torchshm (other scenarios do), and its reducers would then carry the
+    # "pipe" and joblib rows too.
     out = subprocess.run(
-        [sys.executable, "-m", __name__, method, str(nbytes), str(workers)],
+        [sys.executable, os.path.abspath(__file__), method, str(nbytes), str(workers)],
         capture_output=True,
         text=True,
         timeout=DRIVER_TIMEOUT,
@@ -280,4 +291,5 @@ def run(quick, bar):
 
 
 if __name__ == "__main__":
+    assert "torchshm" not in sys.modules
     print(json.dumps(drive(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
