@@ -48,13 +48,12 @@ std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
 void SnapshotCache::remember(py::handle key, int64_t lo, int64_t hi,
                              const std::shared_ptr<Segment>& segment,
                              int64_t at) {
+  if (!PyType_SUPPORTS_WEAKREFS(Py_TYPE(key.ptr()))) return;
   PyObject* ptr = key.ptr();
   py::cpp_function forget([this, ptr](py::handle) { entries_.erase(ptr); });
   PyObject* weak = PyWeakref_NewRef(ptr, forget.ptr());
   if (weak == nullptr) {
-    // No weak references to it (bytes, say): not remembered, the next send
-    // copies.
-    PyErr_Clear();
+    PyErr_Clear();  // not remembered: the next send copies
     return;
   }
   entries_[ptr] = Entry{py::reinterpret_steal<py::object>(weak),
