@@ -18,7 +18,6 @@
 #include "plan.h"
 #include "pool.h"
 #include "segment.h"
-#include "snapshots.h"
 #include "stats.h"
 #include "table.h"
 
@@ -85,7 +84,6 @@ PYBIND11_MODULE(_C, m) {
     layout["UNLINKED_OFFSET"] = offsetof(SegmentHeader, unlinked);
     layout["SLOTS_USED_OFFSET"] = offsetof(SegmentHeader, slots_used);
     layout["PINNED_OFFSET"] = offsetof(SegmentHeader, pinned);
-    layout["SNAPSHOT_OFFSET"] = offsetof(SegmentHeader, snapshot);
     layout["HEADER_BYTES"] = kHeaderBytes;
     layout["TICKET_BIT"] = kTicketBit;
     layout["WRITING_BIT"] = kWritingBit;
@@ -133,7 +131,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("create", &Segment::create, py::arg("session"),
                   py::arg("table"), py::arg("capacity"), py::arg("creator"),
-                  py::arg("threads") = 1, py::arg("populate") = true,
+                  py::arg("threads") = 1,
                   py::call_guard<py::gil_scoped_release>())
       .def_static("attach", &Segment::attach, py::arg("fd"), py::arg("session"),
                   py::arg("uid"), py::call_guard<py::gil_scoped_release>())
@@ -147,8 +145,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("generation", &Segment::generation)
       .def_property_readonly("unlinked", &Segment::unlinked)
       .def_property_readonly("pinned", &Segment::pinned)
-      .def_property_readonly("snapshot", &Segment::snapshot)
-      .def_property_readonly("has_private", &Segment::has_private)
       .def_property_readonly("holders", &Segment::holders)
       .def_property_readonly("local_views", &Segment::local_views)
       .def_property_readonly("table", &Segment::table)
@@ -177,11 +173,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("segments_with_fd", &torchshm::segments_with_fd);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
   m.def("prune_in_flight", &torchshm::prune_in_flight);
-  m.def("set_sharing", &torchshm::set_sharing, py::arg("on"),
-        "Sharing mode for this thread (share()): returns the previous one.");
-  m.def("forget_snapshots", [] { torchshm::snapshots().clear(); });
-  m.def("message_owner", &torchshm::message_owner, py::arg("owner"),
-        "What a message's arrays over segment `owner` are rebuilt over.");
   m.def("in_flight_count", &torchshm::in_flight_count);
   m.def("wake_when_quiet", &torchshm::wake_when_quiet, py::arg("fd"));
 

@@ -10,14 +10,12 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <mutex>
 #include <vector>
 
 #include "errors.h"
 #include "identity.h"
-#include "ndarray.h"
 #include "parallel.h"
 
 namespace torchshm {
@@ -42,7 +40,7 @@ constexpr int64_t kMinPopulatePerThread = 16 << 20;
 // benchmarks --only born` reports it as "fresh pages"). Only the header's
 // first page is touched: unused slots take no memory. Kernels before 5.14
 // get posix_fallocate.
-int populate_pages(int fd, void* base, size_t total, int threads) {
+int populate(int fd, void* base, size_t total, int threads) {
   const int64_t data = static_cast<int64_t>(total - kHeaderBytes);
   std::vector<int> errors(std::max(threads, 1) + 1, 0);
   std::atomic<int> next{0};
@@ -60,59 +58,6 @@ int populate_pages(int fd, void* base, size_t total, int threads) {
                              static_cast<off_t>(data));
   // EFAULT: a page could not be backed (SIGBUS had it been a write).
   return err == EFAULT ? ENOMEM : err;
-}
-
-// Below this, one thread writes or compares.
-constexpr int64_t kMinWritePerThread = 16 << 20;
-// Compared in blocks, so that a difference found by one thread stops the
-// others soon.
-constexpr int64_t kCompareBlock = 1 << 20;
-
-// Calls f(run, bytes) for each run of pages in [p, p + n) that this process
-// wrote through a MAP_PRIVATE file mapping: /proc/self/pagemap says such a
-// page is present but no longer the file's, or swapped out (only anonymous
-// pages swap). Without pagemap, the whole range counts as written. f returns
-// false to stop.
-template <typename F>
-void for_each_written_run(uint8_t* p, size_t n, F f) {
-  constexpr uint64_t kPresent = 1ULL << 63, kSwapped = 1ULL << 62,
-                     kFile = 1ULL << 61;
-  auto* first = reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(p) &
-                                           ~(kPageBytes - 1));
-  const size_t pages = (p + n - first + kPageBytes - 1) / kPageBytes;
-  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    f(first, pages * kPageBytes);
-    return;
-  }
-  std::vector<uint64_t> entries(std::min<size_t>(pages, 1 << 16));
-  uint8_t* run = nullptr;
-  bool go_on = true;
-  for (size_t done = 0; done < pages && go_on;) {
-    const size_t want = std::min(entries.size(), pages - done);
-    const off_t at = static_cast<off_t>(
-        (reinterpret_cast<uintptr_t>(first) / kPageBytes + done) * 8);
-    const ssize_t got = ::pread(fd, entries.data(), want * 8, at);
-    if (got <= 0) {  // unreadable: count the rest as written
-      if (run == nullptr) run = first + done * kPageBytes;
-      done = pages;
-      break;
-    }
-    for (size_t i = 0; i < static_cast<size_t>(got) / 8 && go_on; ++i) {
-      const uint64_t e = entries[i];
-      const bool written = (e & kSwapped) || ((e & kPresent) && !(e & kFile));
-      uint8_t* page = first + (done + i) * kPageBytes;
-      if (written && run == nullptr) run = page;
-      if (!written && run != nullptr) {
-        go_on = f(run, static_cast<size_t>(page - run));
-        run = nullptr;
-      }
-    }
-    done += static_cast<size_t>(got) / 8;
-  }
-  ::close(fd);
-  if (go_on && run != nullptr)
-    f(run, static_cast<size_t>(first + pages * kPageBytes - run));
 }
 
 // The expiry timer's pipe while it sleeps without a deadline, else -1.
@@ -174,7 +119,7 @@ int Segment::scan_end() const {
 std::shared_ptr<Segment> Segment::create(const std::string& session,
                                          std::shared_ptr<SessionTable> table,
                                          int64_t capacity, uint64_t creator,
-                                         int threads, bool populate) {
+                                         int threads) {
   if (capacity < 0 || capacity > std::numeric_limits<int64_t>::max() / 2 -
                                      static_cast<int64_t>(kHeaderBytes))
     throw_errno(ENOMEM, "cannot make a segment of ", capacity, " bytes");
@@ -197,9 +142,7 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
     err = errno;
   if (!err) {
     base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    err = base == MAP_FAILED ? errno
-          : populate         ? populate_pages(fd, base, total, threads)
-                             : 0;
+    err = base == MAP_FAILED ? errno : populate(fd, base, total, threads);
   }
   if (err != 0) {
     if (base != MAP_FAILED) ::munmap(base, total);
@@ -219,7 +162,6 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
   creator_fds.fetch_add(1);
   std::shared_ptr<Segment> segment(
       new Segment(session, uid, base, total, capacity, fd, ::getpid()));
-  segment->write_fill_ = !populate;
   segment->rebind(std::move(table), index);
   remember(segment);
   return segment;
@@ -257,134 +199,13 @@ std::shared_ptr<Segment> Segment::attach(int fd, const std::string& session,
                 err == ENOENT ? " is gone: every process holding it let go"
                               : " is not at this place");
   }
-  std::shared_ptr<Segment> segment(
+  return std::shared_ptr<Segment>(
       new Segment(session, uid, base, total, h->capacity, -1, 0));
-  // While the fd is open: a receiver keeps none (Note [Snapshots are mapped
-  // privately]).
-  if (segment->snapshot()) {
-    uint8_t* mine = segment->map_private(fd);
-    if (mine == nullptr)
-      throw_errno(errno, "private mmap of segment ", uid, " failed");
-    segment->idle_private_.store(mine);
-  }
-  return segment;
 }
 
 Segment::~Segment() {
   ::munmap(base_, mapped_bytes_);
-  const size_t data_bytes = mapped_bytes_ - kHeaderBytes;
-  if (uint8_t* p = idle_private_.load()) ::munmap(p, data_bytes);
-  if (uint8_t* p = readonly_.load()) ::munmap(p, data_bytes);
   close_fd();
-}
-
-void Segment::fill(int64_t at, const uint8_t* src, int64_t n, int threads) {
-  TORCH_CHECK(at >= 0 && n >= 0 && at <= capacity_ - n, "a copy of ", n,
-              " bytes at ", at, " overflows a segment of ", capacity_);
-  const int fd = fd_.load();
-  if (!(write_fill_ && generation() == 0 && fd >= 0)) {
-    copy_bytes(data() + at, src, n, threads);
-    return;
-  }
-  std::atomic<int> error{0};
-  parallel_chunks(n, threads, kMinWritePerThread, kPageBytes,
-                  [&](int64_t begin, int64_t len) {
-                    const off_t base =
-                        static_cast<off_t>(kHeaderBytes + at + begin);
-                    for (int64_t done = 0; done < len && !error.load();) {
-                      const ssize_t w = ::pwrite(fd, src + begin + done,
-                                                 len - done, base + done);
-                      if (w > 0) {
-                        done += w;
-                      } else if (w < 0 && errno != EINTR) {
-                        error.store(errno);
-                      } else if (w == 0) {
-                        error.store(ENOSPC);
-                      }
-                    }
-                  });
-  // ENOSPC or ENOMEM: the memory limit that populate would have met.
-  if (const int err = error.load())
-    throw_errno(err, "cannot write ", n, " bytes into a shared-memory segment");
-}
-
-bool Segment::equals(int64_t at, const uint8_t* src, int64_t n,
-                     int threads) const {
-  if (at < 0 || n < 0 || at > capacity_ - n) return false;
-  std::atomic<bool> differ{false};
-  const uint8_t* mine = data() + at;
-  parallel_chunks(
-      n, threads, kMinWritePerThread, 1, [&](int64_t begin, int64_t len) {
-        for (int64_t done = 0; done < len && !differ.load();) {
-          const int64_t step = std::min(kCompareBlock, len - done);
-          if (std::memcmp(mine + begin + done, src + begin + done, step) != 0)
-            differ.store(true);
-          done += step;
-        }
-      });
-  return !differ.load();
-}
-
-void Segment::mark_snapshot() { header()->snapshot.store(1); }
-
-bool Segment::snapshot() const { return header()->snapshot.load() != 0; }
-
-uint8_t* Segment::map_private(int fd) const {
-  void* p =
-      ::mmap(nullptr, mapped_bytes_ - kHeaderBytes, PROT_READ | PROT_WRITE,
-             MAP_PRIVATE, fd, static_cast<off_t>(kHeaderBytes));
-  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
-}
-
-uint8_t* Segment::mapping(Mapping kind) {
-  if (kind == Mapping::kShared) return data();
-  TORCH_CHECK(kind == Mapping::kReadOnly, "a private mapping is taken");
-  std::lock_guard<std::mutex> guard(mappings_mutex_);
-  if (readonly_.load() == nullptr) {
-    // A second mapping of the same pages, without an fd (old_size 0
-    // duplicates a shared mapping), then made read-only.
-    const size_t n = mapped_bytes_ - kHeaderBytes;
-    void* p = ::mremap(data(), 0, n, MREMAP_MAYMOVE);
-    if (p == MAP_FAILED) return nullptr;
-    if (::mprotect(p, n, PROT_READ) != 0) {
-      ::munmap(p, n);
-      return nullptr;
-    }
-    readonly_.store(static_cast<uint8_t*>(p));
-  }
-  return readonly_.load();
-}
-
-uint8_t* Segment::take_private() {
-  if (uint8_t* idle = idle_private_.exchange(nullptr)) {
-    // What an earlier message wrote goes: the mapping reads the segment's
-    // pages again (MADV_DONTNEED on a private file mapping).
-    for_each_written_run(idle, mapped_bytes_ - kHeaderBytes,
-                         [](uint8_t* run, size_t len) {
-                           ::madvise(run, len, MADV_DONTNEED);
-                           return true;
-                         });
-    return idle;
-  }
-  const int fd = fd_.load();
-  return fd >= 0 ? map_private(fd) : nullptr;
-}
-
-void Segment::give_back_private(uint8_t* data) {
-  uint8_t* expected = nullptr;
-  if (!idle_private_.compare_exchange_strong(expected, data))
-    ::munmap(data, mapped_bytes_ - kHeaderBytes);
-}
-
-bool written_privately(const View* view, int64_t lo, int64_t hi) {
-  if (view->private_data == nullptr || hi <= lo) return false;
-  bool written = false;
-  for_each_written_run(view->private_data + lo, static_cast<size_t>(hi - lo),
-                       [&](uint8_t*, size_t) {
-                         written = true;
-                         return false;
-                       });
-  return written;
 }
 
 void Segment::close_fd() {
@@ -549,7 +370,6 @@ bool Segment::has_ticket_in_flight() const {
 bool Segment::reserve_for_reuse(int own_slot) {
   if (views_.load() != 0 || pinned() || has_live_holder(own_slot)) return false;
   header()->generation.fetch_add(1);
-  header()->snapshot.store(0);  // whoever takes it next says what it is
   return !has_live_holder(own_slot) && !pinned();
 }
 
@@ -579,24 +399,15 @@ int64_t Segment::holders() const {
   return n;
 }
 
-View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_,
-           Segment::Mapping kind_, at::Tensor keep_, uint8_t* private_data_)
+View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
     : segment(std::move(seg)),
-      kind(kind_),
-      keep(std::move(keep_)),
-      private_data(private_data_),
       slot(slot_),
       holder(holder_),
       pid(current_pid()) {
   segment->views_.fetch_add(1);
-  if (private_data != nullptr) segment->private_views_.fetch_add(1);
 }
 
 View::~View() {
-  if (private_data != nullptr) {
-    segment->give_back_private(private_data);
-    segment->private_views_.fetch_sub(1);
-  }
   disown();
   if (segment->views_.fetch_sub(1) != 1) return;
   if (!segment->pooled.load()) {
@@ -627,14 +438,11 @@ void View::adopt(int slot_, uint64_t holder_) {
   slot.store(slot_);
 }
 
-View* view_of(const at::Tensor& tensor) {
-  if (!tensor.defined() || !tensor.has_storage()) return nullptr;
-  return tensor.storage().data_ptr().cast_context<View>(&delete_view);
-}
-
-namespace {
-
-at::Tensor tensor_over(View* view, uint8_t* data, int64_t n) {
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
+                       uint64_t holder) {
+  const int64_t n = segment->capacity();
+  void* data = segment->data();
+  auto* view = new View(std::move(segment), slot, holder);
   at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
   at::Storage storage(at::Storage::use_byte_size_t(), n, std::move(ptr),
                       /*allocator=*/nullptr, /*resizable=*/false);
@@ -647,37 +455,9 @@ at::Tensor tensor_over(View* view, uint8_t* data, int64_t n) {
   return at::Tensor(std::move(impl));
 }
 
-}  // namespace
-
-at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
-                       uint64_t holder) {
-  const int64_t n = segment->capacity();
-  uint8_t* data = segment->data();
-  return tensor_over(new View(std::move(segment), slot, holder), data, n);
-}
-
-at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind) {
-  View* view = view_of(owner);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  if (view->kind == kind) return owner;
-  const at::Tensor& keep = view->keep.defined() ? view->keep : owner;
-  if (kind == Segment::Mapping::kShared) return keep;
-  const auto& segment = view->segment;
-  uint8_t* mine = nullptr;
-  uint8_t* data = kind == Segment::Mapping::kPrivate
-                      ? (mine = segment->take_private())
-                      : segment->mapping(kind);
-  if (data == nullptr) return at::Tensor();
-  return tensor_over(new View(segment, -1, 0, kind, keep, mine), data,
-                     segment->capacity());
-}
-
-at::Tensor message_owner(const at::Tensor& owner) {
-  View* view = view_of(owner);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  if (!view->segment->snapshot()) return owner;
-  at::Tensor mine = mapped_tensor(owner, Segment::Mapping::kPrivate);
-  return mine.defined() ? mine : owner;
+View* view_of(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return nullptr;
+  return tensor.storage().data_ptr().cast_context<View>(&delete_view);
 }
 
 int64_t prune_in_flight() {

@@ -109,8 +109,7 @@
 //   that takes its own slot and checks the generation) and pins every
 //   segment the handle names: the exporter keeps a view of each, so its pool
 //   never reuses them (the generation cannot change) and they are never
-//   closed while it lives. A fresh array is snapshotted once, at dumps
-//   (each load maps it privately: Note [Snapshots are mapped privately]).
+//   closed while it lives. A fresh array is snapshotted once, at dumps.
 // - The pins last while the exporter keeps the object (weakref.finalize),
 //   or, for objects that cannot be weakly referenced, until
 //   torchshm.release(handle) or its exit.
@@ -133,42 +132,6 @@
 //   workers that mapped the table keep reading it; a later message naming a
 //   segment that is closed (unlinked) is snapshotted instead: correct, but a
 //   copy per message.
-//
-// Note [Snapshots are mapped privately]
-// A sender's copy of an array (the plan's segments, Note [Sender plan] in
-// plan.h) is a snapshot: the header says so for that generation, and nobody
-// writes its bytes until the pool reuses it. So one snapshot can serve many
-// messages (an unchanged array sent again: Note [Resending an unchanged
-// array] in snapshots.h, or a receiver sending on what it received), and
-// every process rebuilds an array over it through one of three mappings of
-// the data, made once per segment and process:
-// - read-only arrays: a PROT_READ mapping (any segment). Writing through its
-//   .base is a SIGSEGV, never a write another process sees.
-// - writable arrays of a snapshot: a MAP_PRIVATE mapping per message.
-//   Reading it maps the segment's own pages (one copy in the node, read
-//   faults as cheap as a read-only mapping's); the first write to a page
-//   copies that page for this process alone (the kernel's copy-on-write, no
-//   signal handler). So what a receiver writes is never seen by the sender,
-//   another receiver, or another message: each message that names a
-//   snapshot gets a private mapping of its own (message_owner), the segment's
-//   idle one (whose written pages are dropped first, MADV_DONTNEED: it reads
-//   the segment again) or, while that one is in use, a new one if this
-//   process has an fd (the creator). A receiver has none (it keeps no fd):
-//   a second message it gets while holding arrays of the first has its
-//   writable arrays copied (counted as arrays_copied_on_receive). A process
-//   sending on a private array sends a reference only while no page of it
-//   was written (/proc/self/pagemap: a written page is no longer the
-//   segment's), else a new snapshot.
-// - writable arrays of shared memory (share(), handles of shared objects,
-//   the allocator's born arrays): the MAP_SHARED mapping, as everyone sees it.
-// A receiver maps the private one when it opens a snapshot (it has the fd
-// then, and never keeps one); the creator maps it from its own fd when it
-// needs it. The read-only one is a duplicate of the shared mapping (mremap),
-// so no fd is needed.
-// Cost, 512 MiB of existing pages read once, 2-core reference machine
-// (/tmp C program, medians of 3): read-only 0.056 s, MAP_PRIVATE 0.058 s,
-// MAP_SHARED read-write 0.059 s; writing every page of the private mapping
-// 0.37 s (a fresh page each) against 0.21 s through the shared one.
 #pragma once
 
 #include <torch/extension.h>
@@ -176,7 +139,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "layout.h"
@@ -186,22 +148,16 @@ namespace torchshm {
 
 class Segment {
  public:
-  // Which mapping of the data an array is rebuilt over (Note [Snapshots are
-  // mapped privately]).
-  enum class Mapping : uint8_t { kShared, kReadOnly, kPrivate };
-
   // Creates a sealed memfd with `capacity` data bytes; slot 0 holds
   // `creator`, and its index is claimed in `table` (the creator's session's,
-  // named `session`). With `populate`, every page is backed up front, by up
-  // to `threads` threads, so that a memory limit fails here, not on first
-  // write through the mapping; without it, the pages are made by fill()'s
-  // writes, which fail with an error, never a signal. The fd stays open
-  // (fd()) for the keeper's registration and receivers' /proc lookups until
-  // close_fd() or destruction.
+  // named `session`). Every page is backed up front, by up to `threads`
+  // threads, so that a memory limit fails here, not on first write. The fd
+  // stays open (fd()) for the keeper's registration and receivers' /proc
+  // lookups until close_fd() or destruction.
   static std::shared_ptr<Segment> create(const std::string& session,
                                          std::shared_ptr<SessionTable> table,
                                          int64_t capacity, uint64_t creator,
-                                         int threads = 1, bool populate = true);
+                                         int threads = 1);
   // Maps the segment behind `fd` (the caller closes it) if it is segment
   // `uid` of `session`: a sealed memfd of this user with a header that names
   // that uid, not unlinked. ENOENT if it is gone, EACCES or EINVAL for
@@ -247,32 +203,6 @@ class Segment {
   // Marks the segment unlinked (no new attach) and tells the keeper.
   void unlink();
 
-  // Copies `n` bytes from `src` to data offset `at`, with up to `threads`
-  // threads (the GIL released by the caller). A segment created without
-  // populate and never reused is written with pwrite(): the kernel makes its
-  // pages without a fault in this process (512 MiB: 0.20 s against 0.36 s
-  // through the fresh mapping, 2-core reference machine); otherwise its
-  // pages are mapped already and memcpy runs at memory speed.
-  void fill(int64_t at, const uint8_t* src, int64_t n, int threads);
-  // Whether data bytes [at, at + n) equal `src` (GIL released by the caller).
-  bool equals(int64_t at, const uint8_t* src, int64_t n, int threads) const;
-  // Marks this generation's data a snapshot (Note [Snapshots are mapped
-  // privately]); reuse by the pool clears it.
-  void mark_snapshot();
-  bool snapshot() const;
-  // The shared or read-only mapping of the data, made on first use; nullptr
-  // if it cannot be made.
-  uint8_t* mapping(Mapping kind);
-  // A private mapping of the data for one view, with no page written:
-  // the idle one, or a new one from this process's fd; nullptr if neither
-  // (see the Note). give_back_private() takes it back when the view dies.
-  uint8_t* take_private();
-  void give_back_private(uint8_t* data);
-  // Whether this process has a private mapping of the data (idle or used).
-  bool has_private() const {
-    return idle_private_.load() != nullptr || private_views_.load() > 0;
-  }
-
   uint8_t* data() const;
   int64_t capacity() const { return capacity_; }
   uint64_t generation() const;
@@ -301,8 +231,6 @@ class Segment {
           int64_t capacity, int fd, pid_t creator_pid);
   SegmentHeader* header() const;
   int scan_end() const;
-  // Maps the data MAP_PRIVATE from `fd`; nullptr on failure.
-  uint8_t* map_private(int fd) const;
   Slot* ticket_slot(uint64_t ticket) const;
 
   std::string session_;
@@ -316,11 +244,6 @@ class Segment {
   std::atomic<int> index_{-1};
   std::shared_ptr<SessionTable> table_;  // guarded by std::atomic_load/store
   std::atomic<int64_t> views_{0};
-  std::atomic<uint8_t*> idle_private_{nullptr};
-  std::atomic<uint8_t*> readonly_{nullptr};
-  std::mutex mappings_mutex_;
-  std::atomic<int64_t> private_views_{0};  // views over private mappings
-  bool write_fill_ = false;  // created without populate: fill() by pwrite
 
  public:
   // Set while a pool of this process keeps the segment (pool.h): its last
@@ -329,13 +252,9 @@ class Segment {
 };
 
 // One live view of a segment: the context of a tensor's storage. It keeps the
-// mapping alive and may own one slot, for the process `pid`. A view over the
-// read-only or private mapping owns no slot: it keeps the view that does
-// (`keep`, its tensor) alive.
+// mapping alive and may own one slot, for the process `pid`.
 struct View {
-  View(std::shared_ptr<Segment> segment, int slot, uint64_t holder,
-       Segment::Mapping kind = Segment::Mapping::kShared,
-       at::Tensor keep = at::Tensor(), uint8_t* private_data = nullptr);
+  View(std::shared_ptr<Segment> segment, int slot, uint64_t holder);
   ~View();
   // Releases the slot now if this process owns it.
   void disown();
@@ -343,10 +262,7 @@ struct View {
   void adopt(int slot, uint64_t holder);
 
   std::shared_ptr<Segment> segment;
-  const Segment::Mapping kind;
-  const at::Tensor keep;
-  uint8_t* const private_data;  // the private mapping this view owns
-  std::atomic<int> slot;        // -1: owns none
+  std::atomic<int> slot;  // -1: owns none
   std::atomic<uint64_t> holder;
   std::atomic<pid_t> pid;
 };
@@ -356,18 +272,6 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
                        uint64_t holder);
 // The view behind a tensor's storage, or nullptr if it is not one of ours.
 View* view_of(const at::Tensor& tensor);
-// What a message's arrays are rebuilt over (Note [Snapshots are mapped
-// privately]): for a snapshot, a view over a private mapping of its own if
-// one can be had, else `owner`.
-at::Tensor message_owner(const at::Tensor& owner);
-// Whether this process wrote a page of bytes [lo, hi) of the private
-// mapping behind `view` (those pages are its own now, not the segment's);
-// false for any other view.
-bool written_privately(const View* view, int64_t lo, int64_t hi);
-// An int8 tensor over the whole data through mapping `kind`, keeping
-// `owner` (a tensor view_of knows) alive: `owner` itself if it is that
-// mapping's; undefined if that mapping cannot be made here.
-at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind);
 
 // The expiry timer of torchshm/_expiry.py sleeps without a deadline while
 // every pooled segment has a local view (none can expire). Armed with a pipe

@@ -22,8 +22,6 @@ enum Counter : int {
   kAllocationsShared,
   kAllocationsFallback,
   kForkWaitsTimedOut,
-  kSnapshotsResent,
-  kArraysCopiedOnReceive,
   kCounterCount,
 };
 

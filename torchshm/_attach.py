@@ -46,10 +46,8 @@ def attach(locator, ticket, generation):
             if ticket:
                 segment.cancel_ticket(ticket)
             _check_generation(segment, generation)
-            return _C.message_owner(owner)
+            return owner
         segment = _holdings.pool.get(name) or _mappings.take(name)
-        if segment is not None and _needs_private_mapping(segment):
-            segment = None  # mapped anew below
         if segment is None:
             segment = _open(*where)
             _stats.add("segments_attached")
@@ -69,15 +67,7 @@ def attach(locator, ticket, generation):
                 raise
         owner = segment.tensor(slot, me)
         _holdings.live.remember(name, owner, _on_last_view(name, segment, slot))
-        return _C.message_owner(owner)
-
-
-def _needs_private_mapping(segment):
-    """Whether a cached mapping lacks the private one its snapshot needs
-    (its sender reused it as a snapshot since): that needs the fd, which a
-    receiver does not keep (Note [Snapshots are mapped privately] in
-    csrc/segment.h)."""
-    return segment.snapshot and not segment.has_private and segment.fd < 0
+        return owner
 
 
 # A pooled segment's locator comes back in every message that reuses it.
