@@ -13,16 +13,20 @@ UNLIMITED_FDS = 1 << 20
 def limits():
     """(soft, hard) with an unlimited hard limit counted as UNLIMITED_FDS."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return soft, UNLIMITED_FDS if hard == resource.RLIM_INFINITY else hard
+    return soft, _counted(hard)
+
+
+def _counted(hard):
+    return UNLIMITED_FDS if hard == resource.RLIM_INFINITY else hard
 
 
 def raise_soft_limit(at_least=0):
     """Raises the soft limit to at least `at_least` and at least doubles it,
     up to the hard limit. False if it is at the hard limit already."""
-    soft, ceiling = limits()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = _counted(hard)
     if soft >= ceiling:
         return False
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # as it is: unlimited
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (min(ceiling, max(2 * soft, at_least)), hard)
     )

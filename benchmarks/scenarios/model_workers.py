@@ -25,6 +25,7 @@ joblib's `Parallel` (auto-memmapping, where joblib is installed),
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,11 +103,10 @@ def _as_array(model):
 
 
 def _pss(pid):
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no Pss for {pid}")
+    """Proportional set size, as scenario 7 (memory) reads it."""
+    import psutil
+
+    return psutil.Process(pid).memory_full_info().pss
 
 
 def _wait_markers(folder, n, deadline, waiter):
@@ -273,19 +273,15 @@ def run(quick, bar):
             samples[method].append(measure(method, nbytes, workers))
             bar.update()
     case = f"{nbytes >> 20} MiB to {workers}"
+    result.summary["copies"] = {}
     for method in methods:
         runs = samples[method]
         result.add(case, method, [r["wall"] for r in runs], warmup=0)
-    for method in methods:
-        runs = samples[method]
-        copies = sorted(r["copies"] for r in runs)[len(runs) // 2]
-        start = sorted(r["start"] for r in runs)[len(runs) // 2]
+        copies = statistics.median(r["copies"] for r in runs)
+        start = statistics.median(r["start"] for r in runs)
         result.extra(case, f"{method}: copies", round(copies, 2))
         result.extra(case, f"{method}: pool start s", round(start, 2))
-    result.summary["copies"] = {
-        m: sorted(r["copies"] for r in samples[m])[len(samples[m]) // 2]
-        for m in methods
-    }
+        result.summary["copies"][method] = copies
     result.summary["samples"] = samples
     return result
 
