@@ -4,15 +4,16 @@ workers), one figure each, medians of `--rounds` (default 5).
     python -m benchmarks.pages            # fill, map, resend
     python -m benchmarks.micro pages      # the same
 
-- fill: n bytes into a fresh memfd, by pwrite() against memcpy into a fresh
-  MAP_SHARED mapping (what torchshm does today), and against memcpy into one
-  already faulted in (the pool's reuse); by size, to show the crossover.
+- fill: n bytes into a fresh memfd, by pwrite() (what torchshm does for a
+  fresh segment, csrc/segment.h Segment::fill) against memcpy into a fresh
+  MAP_SHARED mapping, and against memcpy into one already faulted in (the
+  pool's reuse); by size, to show the crossover.
 - map: a child maps 512 MiB of existing shmem pages read-only, MAP_PRIVATE and
   MAP_SHARED read-write and sums them (each mapping fresh: the page faults
   are the cost).
 - resend: torchshm's ForkingPickler.dumps of a fresh 512 MiB array (a copy)
-  against the same array sent again unchanged (a copy again today: each
-  message snapshots what it sends).
+  against the same array sent again unchanged (a comparison with its
+  snapshot: Note [Resending an unchanged array] in csrc/snapshots.h).
 """
 
 import mmap
@@ -135,7 +136,7 @@ def resend(nbytes=512 * MIB, rounds=5):
         f"send {nbytes >> 20} MiB through torchshm (s, median): a fresh array"
         f" {statistics.median(first):.4f}, the same array again"
         f" {statistics.median(again):.4f}"
-        f" (snapshots_resent {stats.get('snapshots_resent', 'n/a')})"
+        f" (snapshots_resent {stats['snapshots_resent']})"
     )
 
 

@@ -39,8 +39,12 @@ struct SegmentHeader {
   std::atomic<uint32_t> unlinked;    // 40: no new process may attach
   std::atomic<uint32_t> slots_used;  // 44: no slot at or above was taken
   std::atomic<uint32_t> pinned;      // 48: never reused, kept to the end
-  uint32_t reserved[3];              // 52
-  Slot slots[kSlots];                // 64
+  // 52: this generation's data is a snapshot (Note [Snapshots are mapped
+  // privately] in segment.h). A receiver of a version before the field maps
+  // it shared: its writes would reach the segment's other receivers.
+  std::atomic<uint32_t> snapshot;
+  uint32_t reserved[2];  // 56
+  Slot slots[kSlots];    // 64
 };
 
 constexpr size_t kPageBytes = 4096;
@@ -51,6 +55,7 @@ static_assert(offsetof(SegmentHeader, generation) == 32, "layout");
 static_assert(offsetof(SegmentHeader, unlinked) == 40, "layout");
 static_assert(offsetof(SegmentHeader, slots_used) == 44, "layout");
 static_assert(offsetof(SegmentHeader, pinned) == 48, "layout");
+static_assert(offsetof(SegmentHeader, snapshot) == 52, "layout");
 static_assert(offsetof(SegmentHeader, slots) == 64, "layout");
 static_assert(sizeof(Slot) == 32, "layout");
 static_assert(std::atomic<uint64_t>::is_always_lock_free,

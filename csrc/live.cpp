@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "segment.h"
+
 namespace torchshm {
 namespace {
 
@@ -16,19 +18,42 @@ py::object referent(const py::object& weak) {
 #endif
 }
 
+py::object weak_ref(py::handle owner, py::handle callback) {
+  PyObject* weak = PyWeakref_NewRef(
+      owner.ptr(), callback.is_none() ? nullptr : callback.ptr());
+  if (weak == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(weak);
+}
+
 }  // namespace
 
-py::object LiveViews::get(const std::string& name) const {
+py::object LiveViews::live(const Entry& entry, bool* revived) {
+  py::object owner = referent(entry.weak);
+  if (!owner.is_none()) return owner;
+  c10::intrusive_ptr<c10::StorageImpl> storage = entry.storage.lock();
+  if (!storage) return py::none();
+  if (revived != nullptr) *revived = true;
+  return py::cast(tensor_of(at::Storage(std::move(storage))));
+}
+
+py::object LiveViews::get(const std::string& name) {
   auto found = refs_.find(name);
-  return found == refs_.end() ? py::none() : referent(found->second);
+  if (found == refs_.end()) return py::none();
+  bool revived = false;
+  py::object owner = live(found->second, &revived);
+  // Remembered, so that the next message over it is rebuilt over it too.
+  if (revived) found->second.weak = weak_ref(owner, py::none());
+  return owner;
 }
 
 void LiveViews::remember(const std::string& name, py::handle owner,
                          py::handle callback) {
-  PyObject* weak = PyWeakref_NewRef(
-      owner.ptr(), callback.is_none() ? nullptr : callback.ptr());
-  if (weak == nullptr) throw py::error_already_set();
-  refs_[name] = py::reinterpret_steal<py::object>(weak);
+  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  View* view = view_of(tensor);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  const at::Storage& storage = view->keep ? view->keep : tensor.storage();
+  refs_.insert_or_assign(
+      name, Entry{weak_ref(owner, callback), storage.getWeakStorageImpl()});
   if (refs_.size() > prune_at_) {
     prune();
     prune_at_ = std::max<size_t>(64, 2 * refs_.size());
@@ -37,14 +62,13 @@ void LiveViews::remember(const std::string& name, py::handle owner,
 
 void LiveViews::forget_if_dead(const std::string& name) {
   auto found = refs_.find(name);
-  if (found != refs_.end() && referent(found->second).is_none())
-    refs_.erase(found);
+  if (found != refs_.end() && live(found->second).is_none()) refs_.erase(found);
 }
 
 std::vector<py::object> LiveViews::owners() const {
   std::vector<py::object> out;
-  for (const auto& [name, weak] : refs_) {
-    py::object owner = referent(weak);
+  for (const auto& [name, entry] : refs_) {
+    py::object owner = live(entry);
     if (!owner.is_none()) out.push_back(std::move(owner));
   }
   return out;
@@ -52,7 +76,7 @@ std::vector<py::object> LiveViews::owners() const {
 
 void LiveViews::prune() {
   for (auto it = refs_.begin(); it != refs_.end();) {
-    if (referent(it->second).is_none())
+    if (live(it->second).is_none())
       it = refs_.erase(it);
     else
       ++it;

@@ -21,10 +21,14 @@ namespace torchshm {
 // operation is one native call under the GIL that runs no Python code: no
 // thread ever sees it half-changed, and Python iterates snapshots (owners()),
 // never the table.
+// An entry also holds the slot-owning view's storage weakly: arrays may live
+// on over aliases of it (read-only and private mappings, segment.h) after
+// the view's own tensor died, and they hold the segment as much as it did.
+// Then get() and owners() give a new tensor over that storage.
 class LiveViews {
  public:
   // The live view of segment `name`, or None.
-  py::object get(const std::string& name) const;
+  py::object get(const std::string& name);
   // Records `owner` as the view of `name`; `callback` (or None) runs when
   // it dies. Dead entries are dropped whenever the table doubled since the
   // last pass, so it stays within twice the live views.
@@ -39,7 +43,13 @@ class LiveViews {
   size_t size() const { return refs_.size(); }
 
  private:
-  std::unordered_map<std::string, py::object> refs_;  // name -> weak ref
+  struct Entry {
+    py::object weak;  // the tensor remembered last
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  };
+  // A live tensor of `entry`, or None; `revived` says it is a new one.
+  static py::object live(const Entry& entry, bool* revived = nullptr);
+  std::unordered_map<std::string, Entry> refs_;
   size_t prune_at_ = 64;
 };
 

@@ -18,6 +18,7 @@
 #include "plan.h"
 #include "pool.h"
 #include "segment.h"
+#include "snapshots.h"
 #include "stats.h"
 #include "table.h"
 
@@ -84,6 +85,7 @@ PYBIND11_MODULE(_C, m) {
     layout["UNLINKED_OFFSET"] = offsetof(SegmentHeader, unlinked);
     layout["SLOTS_USED_OFFSET"] = offsetof(SegmentHeader, slots_used);
     layout["PINNED_OFFSET"] = offsetof(SegmentHeader, pinned);
+    layout["SNAPSHOT_OFFSET"] = offsetof(SegmentHeader, snapshot);
     layout["HEADER_BYTES"] = kHeaderBytes;
     layout["TICKET_BIT"] = kTicketBit;
     layout["WRITING_BIT"] = kWritingBit;
@@ -131,7 +133,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("create", &Segment::create, py::arg("session"),
                   py::arg("table"), py::arg("capacity"), py::arg("creator"),
-                  py::arg("threads") = 1,
+                  py::arg("threads") = 1, py::arg("populate") = true,
                   py::call_guard<py::gil_scoped_release>())
       .def_static("attach", &Segment::attach, py::arg("fd"), py::arg("session"),
                   py::arg("uid"), py::call_guard<py::gil_scoped_release>())
@@ -145,6 +147,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("generation", &Segment::generation)
       .def_property_readonly("unlinked", &Segment::unlinked)
       .def_property_readonly("pinned", &Segment::pinned)
+      .def_property_readonly("snapshot", &Segment::snapshot)
+      .def_property_readonly("private_ready", &Segment::private_ready)
+      .def("adopt_private", &Segment::adopt_private, py::arg("other"))
       .def_property_readonly("holders", &Segment::holders)
       .def_property_readonly("local_views", &Segment::local_views)
       .def_property_readonly("table", &Segment::table)
@@ -173,6 +178,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("segments_with_fd", &torchshm::segments_with_fd);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
   m.def("prune_in_flight", &torchshm::prune_in_flight);
+  m.def("set_sharing", &torchshm::set_sharing, py::arg("on"),
+        "Sharing mode for this thread (share()): returns the previous one.");
+  m.def("forget_snapshots", [] { torchshm::snapshots().clear(); });
+  m.def("message_owner", &torchshm::message_owner, py::arg("owner"),
+        py::arg("threads"),
+        "What a message's arrays over segment `owner` are rebuilt over.");
   m.def("in_flight_count", &torchshm::in_flight_count);
   m.def("wake_when_quiet", &torchshm::wake_when_quiet, py::arg("fd"));
 
@@ -184,12 +195,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"));
   m.def(
-      "disown", [](const at::Tensor& t) { checked_view(t).disown(); },
+      "disown",
+      [](const at::Tensor& t) { checked_view(t).slot_owner().disown(); },
       py::arg("tensor"));
   m.def(
       "adopt",
       [](const at::Tensor& t, int slot, uint64_t holder) {
-        checked_view(t).adopt(slot, holder);
+        checked_view(t).slot_owner().adopt(slot, holder);
       },
       py::arg("tensor"), py::arg("slot"), py::arg("holder"),
       "Makes a view own a slot taken for this process (a forked child's "

@@ -11,6 +11,7 @@
 #include "numpy_api.h"
 #include "pool.h"
 #include "segment.h"
+#include "snapshots.h"
 #include "stats.h"
 
 namespace torchshm {
@@ -41,10 +42,21 @@ std::vector<npy_intp> compact_strides(PyArrayObject* a) {
   return out;
 }
 
+thread_local bool sharing = false;
+
 py::object segment_name(const at::Tensor& tensor) {
   View* view = view_of(tensor);
   if (view == nullptr) return py::none();
   return py::str(view->segment->name());
+}
+
+// Whether `array` (at `offset` of its view's storage) lies over private
+// pages of a snapshot that this process wrote: they are not the segment's
+// bytes, so a reference would send the segment's instead.
+bool written_privately(View* view, py::handle array, int64_t offset) {
+  if (view->kind != Segment::Mapping::kPrivate) return false;
+  const auto [lo, hi] = byte_extent(array);
+  return torchshm::written_privately(view, offset + lo, offset + hi);
 }
 
 // A view over an idle pooled segment, taken without entering Python, or
@@ -62,6 +74,8 @@ py::object take_pooled(int64_t nbytes) {
 }
 
 }  // namespace
+
+bool set_sharing(bool on) { return std::exchange(sharing, on); }
 
 // A builtin dtype travels as its .str, which round-trips it exactly unless it
 // has fields, a sub-array or metadata, and pickles in a fraction of the time
@@ -140,12 +154,13 @@ Placement Plan::place(py::handle array) {
     // A segment whose name is gone (its session ended) cannot be mapped
     // by a receiver: snapshot the array instead.
     View* view = view_of(owner);
-    if (!view->segment->unlinked()) {
-      // Relative to the storage, not to `owner`, which may start at an
-      // offset into it (a slice of a received array's base).
-      const int64_t offset =
-          data_address(array) -
-          reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
+    // Relative to the storage, not to `owner`, which may start at an
+    // offset into it (a slice of a received array's base).
+    const int64_t offset =
+        data_address(array) -
+        reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
+    if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
+        !written_privately(view, array, offset)) {
       count(kArraysResent);
       py::object ref_owner = root && THPVariable_Check(root.ptr())
                                  ? py::reinterpret_borrow<py::object>(root)
@@ -223,15 +238,35 @@ Placement Plan::copy_view(py::handle array, py::handle root,
     start = near_start;
   }
   const int64_t n = hi - lo;
+  const bool remembered = n >= policy.pack_limit && !sharing;
+  if (remembered) {
+    auto [owner, at] =
+        snapshots().reuse(key, start + lo, start + hi, policy.copy_threads);
+    if (!owner.is_none()) {
+      const Target target = target_of(owner);
+      count(kSnapshotsResent);
+      entry.copies.push_back(Copy{start + lo, start + hi, at, target});
+      const int64_t offset = at + data_address(array) - (start + lo);
+      return Placement{Placement::kCopied,
+                       target.owner,
+                       target.name,
+                       offset,
+                       {},
+                       root,
+                       nearest};
+    }
+  }
   auto [target, at] = reserve(n);
   const auto* src = reinterpret_cast<const uint8_t*>(start + lo);
   {
     // The caller's reference keeps `array` (and so `source`) alive.
     py::gil_scoped_release no_gil;
-    copy_bytes(target.data + at, src, n, policy.copy_threads);
+    target.segment->fill(at, src, n, policy.copy_threads);
   }
   count(kArraysShared);
   count(kBytesCopied, n);
+  if (remembered)
+    snapshots().remember(key, start + lo, start + hi, target.segment, at);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
   const int64_t offset = at + data_address(array) - (start + lo);
   return Placement{
@@ -273,6 +308,17 @@ Placement Plan::copy_compacted(py::handle array) {
                    std::move(strides), py::handle(), py::handle()};
 }
 
+Plan::Target Plan::target_of(const py::object& owner) {
+  TORCH_CHECK(THPVariable_Check(owner.ptr()),
+              "expected allocate() to return a tensor, got ",
+              std::string(py::str(py::type::handle_of(owner))));
+  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  View* view = view_of(tensor);
+  py::object name = segment_name(tensor);
+  return Target{owner, view ? view->segment : nullptr, std::move(name),
+                static_cast<uint8_t*>(tensor.data_ptr()), tensor.numel()};
+}
+
 std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
   const SenderPolicy& p = config().policy;
   auto allocate = [](int64_t n) {
@@ -283,15 +329,12 @@ std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
           call_hook(config().hooks.allocate, wanted.ptr()));
       if (!owner) throw py::error_already_set();
     }
-    TORCH_CHECK(THPVariable_Check(owner.ptr()),
-                "expected allocate() to return a tensor, got ",
-                std::string(py::str(py::type::handle_of(owner))));
-    const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
-    Target t{owner, segment_name(tensor),
-             static_cast<uint8_t*>(tensor.data_ptr()), tensor.numel()};
-    TORCH_CHECK(!t.name.is_none() && t.size >= n,
+    Target t = target_of(owner);
+    TORCH_CHECK(t.segment != nullptr && t.size >= n,
                 "expected allocate() to return a segment tensor of at least ",
                 n, " bytes");
+    // Before any message names it (Note [Snapshots are mapped privately]).
+    if (!sharing) t.segment->mark_snapshot();
     return t;
   };
   if (nbytes >= p.pack_limit) return {allocate(nbytes), 0};

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "numpy_api.h"
+#include "segment.h"
 
 namespace torchshm {
 
@@ -31,7 +32,15 @@ namespace torchshm {
 //   pack_limit up; segments come from the pool without entering Python
 //   while it is armed (Note [Segment pool] in pool.h), else from Python's
 //   allocate hook, both only when a chunk is full. The copy runs with the
-//   GIL released (or compacts a sparse view).
+//   GIL released (or compacts a sparse view), by pwrite into a fresh
+//   segment (Segment::fill). Every such segment is a snapshot (Note
+//   [Snapshots are mapped privately] in segment.h); a copy with a segment
+//   of its own that an earlier message made of the same unchanged bytes is
+//   not made again (Note [Resending an unchanged array] in snapshots.h).
+//   share() works in sharing mode (set_sharing): its copies are shared
+//   memory, never snapshots, and a snapshot it meets is copied.
+// - kSegment also falls back to a copy when the array is over this process's
+//   private pages of a snapshot that it wrote (they are not the segment's).
 // Every number comes from the configuration (config.h); this code never reads
 // the environment and never pickles. Tickets are not taken here: the pickler
 // issues one per reference it writes (SegmentRef in message.h, Note
@@ -62,6 +71,7 @@ class Plan {
  private:
   struct Target {
     py::object owner;  // int8 tensor over a whole segment
+    std::shared_ptr<Segment> segment;
     py::object name;
     uint8_t* data = nullptr;
     int64_t size = 0;
@@ -75,6 +85,7 @@ class Plan {
     std::vector<Copy> copies;
   };
 
+  static Target target_of(const py::object& owner);
   Placement copy_view(py::handle array, py::handle root, py::handle nearest);
   Placement copy_compacted(py::handle array);
   // A target and offset for nbytes: the chunk, or a segment of its own.
@@ -84,6 +95,10 @@ class Plan {
   Target chunk_;
   int64_t chunk_used_ = 0;
 };
+
+// Sharing mode for this thread (share()'s round trip: see the Note); returns
+// the previous mode.
+bool set_sharing(bool on);
 
 // rebuild_ndarray's arguments after the owner: (offset, dtype, shape,
 // strides, writeable, subtype), with `first` in front when given. The one

@@ -1,7 +1,9 @@
 #include "segment.h"
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,12 +12,14 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <vector>
 
 #include "errors.h"
 #include "identity.h"
+#include "ndarray.h"
 #include "parallel.h"
 
 namespace torchshm {
@@ -40,7 +44,7 @@ constexpr int64_t kMinPopulatePerThread = 16 << 20;
 // benchmarks --only born` reports it as "fresh pages"). Only the header's
 // first page is touched: unused slots take no memory. Kernels before 5.14
 // get posix_fallocate.
-int populate(int fd, void* base, size_t total, int threads) {
+int populate_pages(int fd, void* base, size_t total, int threads) {
   const int64_t data = static_cast<int64_t>(total - kHeaderBytes);
   std::vector<int> errors(std::max(threads, 1) + 1, 0);
   std::atomic<int> next{0};
@@ -58,6 +62,116 @@ int populate(int fd, void* base, size_t total, int threads) {
                              static_cast<off_t>(data));
   // EFAULT: a page could not be backed (SIGBUS had it been a write).
   return err == EFAULT ? ENOMEM : err;
+}
+
+// Below this, one thread writes or compares.
+constexpr int64_t kMinWritePerThread = 16 << 20;
+// Below this, one thread walks the page table (Segment::take_private).
+constexpr int64_t kMinScanPerThread = 64 << 20;
+// Compared in blocks, so that a difference found by one thread stops the
+// others soon.
+constexpr int64_t kCompareBlock = 1 << 20;
+
+// The PAGEMAP_SCAN ioctl of /proc/self/pagemap (Linux 6.7), spelled here:
+// older kernel headers lack it.
+struct PageRegion {
+  uint64_t start, end, categories;
+};
+struct PagemapScan {
+  uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages,
+      category_inverted, category_mask, category_anyof_mask, return_mask;
+};
+constexpr unsigned long kPagemapScan = _IOWR('f', 16, PagemapScan);
+constexpr uint64_t kPageIsFile = 1 << 2, kPageIsPresent = 1 << 3,
+                   kPageIsSwapped = 1 << 4;
+
+// Whether this kernel has PAGEMAP_SCAN; it answers ENOTTY or EINVAL once.
+std::atomic<bool> pagemap_scan_works{true};
+
+// Calls f(run, bytes) for each run of pages in [p, p + n) that this process
+// wrote through a MAP_PRIVATE file mapping: the page table says such a page
+// is present but no longer the file's, or swapped out (only anonymous pages
+// swap). The kernel finds the runs (PAGEMAP_SCAN), or, before Linux 6.7,
+// this reads a word per page of /proc/self/pagemap: 7-9 ms per 400 MB
+// against 5-8 ms, 2-core reference machine. Without pagemap, the whole range
+// counts as written. f returns false to stop.
+template <typename F>
+void for_each_written_run(uint8_t* p, size_t n, F f) {
+  constexpr uint64_t kPresent = 1ULL << 63, kSwapped = 1ULL << 62,
+                     kFile = 1ULL << 61;
+  auto* first = reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(p) &
+                                           ~(kPageBytes - 1));
+  const size_t pages = (p + n - first + kPageBytes - 1) / kPageBytes;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    f(first, pages * kPageBytes);
+    return;
+  }
+  const auto from = reinterpret_cast<uint64_t>(first);
+  const uint64_t to = from + pages * kPageBytes;
+  if (pagemap_scan_works.load()) {
+    PageRegion runs[64];
+    PagemapScan scan{};
+    scan.size = sizeof(scan);
+    scan.vec = reinterpret_cast<uint64_t>(runs);
+    scan.vec_len = 64;
+    // Not the file's, and present or swapped.
+    scan.category_inverted = kPageIsFile;
+    scan.category_mask = kPageIsFile;
+    scan.category_anyof_mask = kPageIsPresent | kPageIsSwapped;
+    scan.return_mask = kPageIsFile | kPageIsPresent | kPageIsSwapped;
+    bool go_on = true;
+    for (uint64_t at = from; at < to && go_on;) {
+      scan.start = at;
+      scan.end = to;
+      const int got = ::ioctl(fd, kPagemapScan, &scan);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        if (at == from && (errno == ENOTTY || errno == EINVAL)) {
+          pagemap_scan_works.store(false);
+          break;  // the word-per-page way below
+        }
+        go_on = f(reinterpret_cast<uint8_t*>(at), to - at);
+        ::close(fd);
+        return;
+      }
+      for (int i = 0; i < got && go_on; ++i)
+        go_on = f(reinterpret_cast<uint8_t*>(runs[i].start),
+                  runs[i].end - runs[i].start);
+      at = scan.walk_end > at ? scan.walk_end : to;
+    }
+    if (pagemap_scan_works.load()) {
+      ::close(fd);
+      return;
+    }
+  }
+  std::vector<uint64_t> entries(std::min<size_t>(pages, 1 << 16));
+  uint8_t* run = nullptr;
+  bool go_on = true;
+  for (size_t done = 0; done < pages && go_on;) {
+    const size_t want = std::min(entries.size(), pages - done);
+    const off_t at = static_cast<off_t>((from / kPageBytes + done) * 8);
+    const ssize_t got = ::pread(fd, entries.data(), want * 8, at);
+    if (got <= 0) {  // unreadable: count the rest as written
+      if (run == nullptr) run = first + done * kPageBytes;
+      done = pages;
+      break;
+    }
+    for (size_t i = 0; i < static_cast<size_t>(got) / 8 && go_on; ++i) {
+      const uint64_t e = entries[i];
+      const bool written = (e & kSwapped) || ((e & kPresent) && !(e & kFile));
+      uint8_t* page = first + (done + i) * kPageBytes;
+      if (written && run == nullptr) run = page;
+      if (!written && run != nullptr) {
+        go_on = f(run, static_cast<size_t>(page - run));
+        run = nullptr;
+      }
+    }
+    done += static_cast<size_t>(got) / 8;
+  }
+  ::close(fd);
+  if (go_on && run != nullptr)
+    f(run, static_cast<size_t>(first + pages * kPageBytes - run));
 }
 
 // The expiry timer's pipe while it sleeps without a deadline, else -1.
@@ -119,7 +233,7 @@ int Segment::scan_end() const {
 std::shared_ptr<Segment> Segment::create(const std::string& session,
                                          std::shared_ptr<SessionTable> table,
                                          int64_t capacity, uint64_t creator,
-                                         int threads) {
+                                         int threads, bool populate) {
   if (capacity < 0 || capacity > std::numeric_limits<int64_t>::max() / 2 -
                                      static_cast<int64_t>(kHeaderBytes))
     throw_errno(ENOMEM, "cannot make a segment of ", capacity, " bytes");
@@ -142,7 +256,9 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
     err = errno;
   if (!err) {
     base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    err = base == MAP_FAILED ? errno : populate(fd, base, total, threads);
+    err = base == MAP_FAILED ? errno
+          : populate         ? populate_pages(fd, base, total, threads)
+                             : 0;
   }
   if (err != 0) {
     if (base != MAP_FAILED) ::munmap(base, total);
@@ -162,6 +278,7 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
   creator_fds.fetch_add(1);
   std::shared_ptr<Segment> segment(
       new Segment(session, uid, base, total, capacity, fd, ::getpid()));
+  segment->write_fill_ = !populate;
   segment->rebind(std::move(table), index);
   remember(segment);
   return segment;
@@ -199,13 +316,174 @@ std::shared_ptr<Segment> Segment::attach(int fd, const std::string& session,
                 err == ENOENT ? " is gone: every process holding it let go"
                               : " is not at this place");
   }
-  return std::shared_ptr<Segment>(
+  std::shared_ptr<Segment> segment(
       new Segment(session, uid, base, total, h->capacity, -1, 0));
+  // While the fd is open: a receiver keeps none (Note [Snapshots are mapped
+  // privately]).
+  if (segment->snapshot()) {
+    uint8_t* mine = segment->map_private(fd);
+    if (mine == nullptr)
+      throw_errno(errno, "private mmap of segment ", uid, " failed");
+    segment->idle_private_.store(mine);
+  }
+  return segment;
 }
 
 Segment::~Segment() {
   ::munmap(base_, mapped_bytes_);
+  const size_t data_bytes = mapped_bytes_ - kHeaderBytes;
+  if (uint8_t* p = idle_private_.load()) ::munmap(p, data_bytes);
+  if (uint8_t* p = readonly_.load()) ::munmap(p, data_bytes);
   close_fd();
+}
+
+void Segment::fill(int64_t at, const uint8_t* src, int64_t n, int threads) {
+  TORCH_CHECK(at >= 0 && n >= 0 && at <= capacity_ - n, "a copy of ", n,
+              " bytes at ", at, " overflows a segment of ", capacity_);
+  const int fd = fd_.load();
+  if (!(write_fill_ && generation() == 0 && fd >= 0)) {
+    copy_bytes(data() + at, src, n, threads);
+    return;
+  }
+  std::atomic<int> error{0};
+  parallel_chunks(n, threads, kMinWritePerThread, kPageBytes,
+                  [&](int64_t begin, int64_t len) {
+                    const off_t base =
+                        static_cast<off_t>(kHeaderBytes + at + begin);
+                    for (int64_t done = 0; done < len && !error.load();) {
+                      const ssize_t w = ::pwrite(fd, src + begin + done,
+                                                 len - done, base + done);
+                      if (w > 0) {
+                        done += w;
+                      } else if (w < 0 && errno != EINTR) {
+                        error.store(errno);
+                      } else if (w == 0) {
+                        error.store(ENOSPC);
+                      }
+                    }
+                  });
+  // ENOSPC or ENOMEM: the memory limit that populate would have met.
+  if (const int err = error.load())
+    throw_errno(err, "cannot write ", n, " bytes into a shared-memory segment");
+}
+
+bool Segment::equals(int64_t at, const uint8_t* src, int64_t n,
+                     int threads) const {
+  if (at < 0 || n < 0 || at > capacity_ - n) return false;
+  std::atomic<bool> differ{false};
+  const uint8_t* mine = data() + at;
+  parallel_chunks(
+      n, threads, kMinWritePerThread, 1, [&](int64_t begin, int64_t len) {
+        for (int64_t done = 0; done < len && !differ.load();) {
+          const int64_t step = std::min(kCompareBlock, len - done);
+          if (std::memcmp(mine + begin + done, src + begin + done, step) != 0)
+            differ.store(true);
+          done += step;
+        }
+      });
+  return !differ.load();
+}
+
+void Segment::mark_snapshot() { header()->snapshot.store(1); }
+
+bool Segment::snapshot() const { return header()->snapshot.load() != 0; }
+
+uint8_t* Segment::map_private(int fd) const {
+  void* p =
+      ::mmap(nullptr, mapped_bytes_ - kHeaderBytes, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE, fd, static_cast<off_t>(kHeaderBytes));
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
+
+uint8_t* Segment::mapping(Mapping kind) {
+  if (kind == Mapping::kShared) return data();
+  TORCH_CHECK(kind == Mapping::kReadOnly, "a private mapping is taken");
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  if (readonly_.load() == nullptr) {
+    // A second mapping of the same pages, without an fd (old_size 0
+    // duplicates a shared mapping), then made read-only.
+    const size_t n = mapped_bytes_ - kHeaderBytes;
+    void* p = ::mremap(data(), 0, n, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED) return nullptr;
+    if (::mprotect(p, n, PROT_READ) != 0) {
+      ::munmap(p, n);
+      return nullptr;
+    }
+    readonly_.store(static_cast<uint8_t*>(p));
+  }
+  return readonly_.load();
+}
+
+uint8_t* Segment::take_private(int threads) {
+  uint8_t* idle = nullptr;
+  bool written = false;
+  {
+    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    idle = idle_private_.exchange(nullptr);
+    written = idle_written_;
+  }
+  if (idle != nullptr) {
+    // What an earlier message wrote goes: the mapping reads the segment's
+    // pages again (MADV_DONTNEED on a private file mapping). All of it: a
+    // view's .base tensor spans the whole data, not only its arrays.
+    if (written)
+      parallel_chunks(capacity_, threads, kMinScanPerThread, kPageBytes,
+                      [&](int64_t begin, int64_t len) {
+                        for_each_written_run(
+                            idle + begin, static_cast<size_t>(len),
+                            [](uint8_t* run, size_t bytes) {
+                              ::madvise(run, bytes, MADV_DONTNEED);
+                              return true;
+                            });
+                      });
+    return idle;
+  }
+  const int fd = fd_.load();
+  return fd >= 0 ? map_private(fd) : nullptr;
+}
+
+void Segment::give_back_private(uint8_t* data, bool written) {
+  {
+    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    if (idle_private_.load() == nullptr) {
+      idle_written_ = written;
+      idle_private_.store(data);
+      return;
+    }
+  }
+  ::munmap(data, mapped_bytes_ - kHeaderBytes);
+}
+
+void Segment::adopt_private(Segment& other) {
+  TORCH_CHECK(other.uid_ == uid_ && other.mapped_bytes_ == mapped_bytes_,
+              "expected another mapping of segment ", name_, ", got ",
+              other.name_);
+  if (uint8_t* p = other.idle_private_.exchange(nullptr))
+    give_back_private(p, /*written=*/false);
+}
+
+WriteWatch WriteWatch::now() {
+  struct rusage usage;
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return WriteWatch{};
+  return WriteWatch{::getpid(), usage.ru_minflt + usage.ru_majflt};
+}
+
+bool WriteWatch::unchanged() const {
+  if (faults < 0) return false;
+  const WriteWatch later = now();
+  return later.pid == pid && later.faults == faults;
+}
+
+bool written_privately(const View* view, int64_t lo, int64_t hi) {
+  if (view->private_data == nullptr || hi <= lo || view->lent.unchanged())
+    return false;
+  bool written = false;
+  for_each_written_run(view->private_data + lo, static_cast<size_t>(hi - lo),
+                       [&](uint8_t*, size_t) {
+                         written = true;
+                         return false;
+                       });
+  return written;
 }
 
 void Segment::close_fd() {
@@ -370,6 +648,7 @@ bool Segment::has_ticket_in_flight() const {
 bool Segment::reserve_for_reuse(int own_slot) {
   if (views_.load() != 0 || pinned() || has_live_holder(own_slot)) return false;
   header()->generation.fetch_add(1);
+  header()->snapshot.store(0);  // whoever takes it next says what it is
   return !has_live_holder(own_slot) && !pinned();
 }
 
@@ -399,15 +678,25 @@ int64_t Segment::holders() const {
   return n;
 }
 
-View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_)
+View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_,
+           Segment::Mapping kind_, at::Storage keep_, uint8_t* private_data_)
     : segment(std::move(seg)),
+      kind(kind_),
+      keep(std::move(keep_)),
+      private_data(private_data_),
+      lent(private_data_ != nullptr ? WriteWatch::now() : WriteWatch{}),
       slot(slot_),
       holder(holder_),
       pid(current_pid()) {
   segment->views_.fetch_add(1);
+  if (private_data != nullptr) segment->private_views_.fetch_add(1);
 }
 
 View::~View() {
+  if (private_data != nullptr) {
+    segment->give_back_private(private_data, !lent.unchanged());
+    segment->private_views_.fetch_sub(1);
+  }
   disown();
   if (segment->views_.fetch_sub(1) != 1) return;
   if (!segment->pooled.load()) {
@@ -438,14 +727,23 @@ void View::adopt(int slot_, uint64_t holder_) {
   slot.store(slot_);
 }
 
-at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
-                       uint64_t holder) {
-  const int64_t n = segment->capacity();
-  void* data = segment->data();
-  auto* view = new View(std::move(segment), slot, holder);
-  at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
-  at::Storage storage(at::Storage::use_byte_size_t(), n, std::move(ptr),
-                      /*allocator=*/nullptr, /*resizable=*/false);
+View& View::slot_owner() {
+  View* owner = keep ? view_of(keep) : nullptr;
+  return owner ? *owner : *this;
+}
+
+View* view_of(const at::Storage& storage) {
+  if (!storage) return nullptr;
+  return storage.data_ptr().cast_context<View>(&delete_view);
+}
+
+View* view_of(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return nullptr;
+  return view_of(tensor.storage());
+}
+
+at::Tensor tensor_of(at::Storage storage) {
+  const int64_t n = static_cast<int64_t>(storage.nbytes());
   // What at::empty + set_ make, without two trips through the dispatcher
   // (one is made per message).
   auto impl = c10::make_intrusive<c10::TensorImpl>(
@@ -455,9 +753,47 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
   return at::Tensor(std::move(impl));
 }
 
-View* view_of(const at::Tensor& tensor) {
-  if (!tensor.defined() || !tensor.has_storage()) return nullptr;
-  return tensor.storage().data_ptr().cast_context<View>(&delete_view);
+namespace {
+
+at::Tensor tensor_over(View* view, uint8_t* data, int64_t n) {
+  at::DataPtr ptr(data, view, &delete_view, at::Device(at::kCPU));
+  return tensor_of(at::Storage(at::Storage::use_byte_size_t(), n,
+                               std::move(ptr), /*allocator=*/nullptr,
+                               /*resizable=*/false));
+}
+
+}  // namespace
+
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
+                       uint64_t holder) {
+  const int64_t n = segment->capacity();
+  uint8_t* data = segment->data();
+  return tensor_over(new View(std::move(segment), slot, holder), data, n);
+}
+
+at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
+                         int threads) {
+  View* view = view_of(owner);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  if (view->kind == kind) return owner;
+  const at::Storage keep = view->keep ? view->keep : owner.storage();
+  if (kind == Segment::Mapping::kShared) return tensor_of(keep);
+  const auto& segment = view->segment;
+  uint8_t* mine = nullptr;
+  uint8_t* data = kind == Segment::Mapping::kPrivate
+                      ? (mine = segment->take_private(threads))
+                      : segment->mapping(kind);
+  if (data == nullptr) return at::Tensor();
+  return tensor_over(new View(segment, -1, 0, kind, keep, mine), data,
+                     segment->capacity());
+}
+
+at::Tensor message_owner(const at::Tensor& owner, int threads) {
+  View* view = view_of(owner);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  if (!view->segment->snapshot()) return owner;
+  at::Tensor mine = mapped_tensor(owner, Segment::Mapping::kPrivate, threads);
+  return mine.defined() ? mine : owner;
 }
 
 int64_t prune_in_flight() {

@@ -9,7 +9,7 @@ const char* const kCounterNames[kCounterCount] = {
     "arrays_inline",        "arrays_received",    "segments_created",
     "segments_attached",    "segments_reused",    "mappings_reused",
     "tickets_unavailable",  "allocations_shared", "allocations_fallback",
-    "fork_waits_timed_out",
+    "fork_waits_timed_out", "snapshots_resent",   "arrays_copied_on_receive",
 };
 
 }  // namespace torchshm

@@ -22,6 +22,8 @@ enum Counter : int {
   kAllocationsShared,
   kAllocationsFallback,
   kForkWaitsTimedOut,
+  kSnapshotsResent,
+  kArraysCopiedOnReceive,
   kCounterCount,
 };
 

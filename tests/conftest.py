@@ -56,6 +56,7 @@ MULTIPROCESS_MODULES = {
     "test_pools",
     "test_reuse",
     "test_shared_containers",
+    "test_snapshots",
 }
 # A test that asks for one of these fixtures starts processes, wherever it is.
 MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}

@@ -12,6 +12,7 @@ import numpy as np
 import torch.utils.data
 
 import torchshm
+from torchshm import _doctor
 
 TIMEOUT = 120
 
@@ -62,12 +63,19 @@ def mappings_over(arr):
 
 
 def private_dirty_kb():
-    """This process's Private_Dirty in kB (smaps_rollup)."""
-    with open("/proc/self/smaps_rollup") as f:
+    """kB of pages this process copied: Private_Dirty of every mapping but
+    torchshm's segments (/proc/self/smaps). A segment's pages count as
+    Private_Dirty while only this process maps them (one its parent filled
+    with pwrite and never mapped), though nothing was copied."""
+    total, in_segment = 0, False
+    with open("/proc/self/smaps") as f:
         for line in f:
-            if line.startswith("Private_Dirty:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Private_Dirty in /proc/self/smaps_rollup")
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                in_segment = _doctor.SEGMENT_MAPPING in line
+            elif head and head[0] == "Private_Dirty:" and not in_segment:
+                total += int(head[1])
+    return total
 
 
 def read_every_item(inbox, outbox, container):

@@ -113,7 +113,9 @@ def test_steady_sends_take_pooled_segments_without_calling_allocate(monkeypatch)
     ForkingPickler.loads(ForkingPickler.dumps(a))  # a pooled segment, idle again
     calls = []
     allocate = _segments.allocate
-    monkeypatch.setattr(_segments, "allocate", lambda n: calls.append(n) or allocate(n))
+    monkeypatch.setattr(
+        _segments, "allocate", lambda n, **kw: calls.append(n) or allocate(n, **kw)
+    )
     _holdings.pool.enable_fast_take(True)
     before = torchshm.stats()
     for i in range(5):
@@ -131,7 +133,9 @@ def test_bookkeeping_that_is_due_goes_through_python(monkeypatch):
     ForkingPickler.loads(ForkingPickler.dumps(a))
     calls = []
     allocate = _segments.allocate
-    monkeypatch.setattr(_segments, "allocate", lambda n: calls.append(n) or allocate(n))
+    monkeypatch.setattr(
+        _segments, "allocate", lambda n, **kw: calls.append(n) or allocate(n, **kw)
+    )
     _holdings.pool.schedule_thorough_scan()
     ForkingPickler.loads(ForkingPickler.dumps(a))
     assert len(calls) == 1  # the thorough pass ran in Python...

@@ -232,7 +232,7 @@ def test_which_failures_mean_fall_back_is_decided_by_errno():
 def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
     from torchshm import _fallback, _segments
 
-    def broken(nbytes):
+    def broken(nbytes, **_):
         raise RuntimeError("No space left on device")  # text must not matter
 
     # Nothing idle in the pool, so the send must allocate (pooled segments are

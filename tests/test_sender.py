@@ -13,7 +13,7 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
-from torchshm import _C, _fallback, _reduction, _sender
+from torchshm import _segments, _C, _fallback, _reduction, _sender
 
 SMALL = [
     np.arange(10),
@@ -155,7 +155,13 @@ def test_counters_count_sends_resends_and_receives():
     delta = stats_delta(before)
     assert delta["arrays_resent"] == 1 and delta["arrays_shared"] == 0
     assert delta["bytes_copied"] == 0 and delta["arrays_received"] == 1
-    assert np.shares_memory(again, r)
+    # The same snapshot, privately mapped for each message (Note [Snapshots
+    # are mapped privately] in csrc/segment.h).
+    assert _segments.name_of(_C.memory_owner(again)) == _segments.name_of(
+        _C.memory_owner(r)
+    )
+    again[0] = -1
+    assert r[10] == 10
 
 
 def test_reset_stats_zeroes_the_native_counters():
@@ -200,7 +206,7 @@ def test_the_plan_answers_where_memory_lives():
 def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):
     from torchshm import _segments
 
-    def wrong(nbytes):
+    def wrong(nbytes, **_):
         return np.zeros(nbytes, np.uint8)  # not a tensor: a torchshm bug
 
     # Nothing idle in the pool, so the send must allocate (pooled segments are
@@ -221,7 +227,11 @@ def test_handles_write_references_without_tickets():
         loaded = [torchshm.loads(data) for _ in range(3)]
         for x in loaded:
             np.testing.assert_array_equal(x, a)
-        assert np.shares_memory(loaded[0], loaded[2])
+        # One snapshot, each load's own: a write to one is not in another.
+        names = {_segments.name_of(_C.memory_owner(x)) for x in loaded}
+        assert len(names) == 1 and None not in names
+        loaded[0][0] = -1.0
+        assert loaded[2][0] == 0.0
     finally:
         torchshm.release(data)
     assert _reduction.reference_without_ticket(object()) is None

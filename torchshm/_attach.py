@@ -46,13 +46,15 @@ def attach(locator, ticket, generation):
             if ticket:
                 segment.cancel_ticket(ticket)
             _check_generation(segment, generation)
-            return owner
+            _ensure_private_mapping(segment, where)
+            return _C.message_owner(owner, _config.copy_threads())
         segment = _holdings.pool.get(name) or _mappings.take(name)
         if segment is None:
             segment = _open(*where)
             _stats.add("segments_attached")
         else:
             _stats.add("mappings_reused")
+            _ensure_private_mapping(segment, where)
         slot = segment.claim_ticket(ticket, me) if ticket else -1
         if slot < 0:
             slot = segment.take_slot(me)
@@ -67,7 +69,22 @@ def attach(locator, ticket, generation):
                 raise
         owner = segment.tensor(slot, me)
         _holdings.live.remember(name, owner, _on_last_view(name, segment, slot))
-        return owner
+        return _C.message_owner(owner, _config.copy_threads())
+
+
+def _ensure_private_mapping(segment, where):
+    """Gives a snapshot this process maps already one more private mapping
+    if it has none idle (its arrays of an earlier message live, or its
+    sender reused the segment as a snapshot since): a receiver keeps no fd,
+    so it opens the segment again for an instant (Note [Snapshots are
+    mapped privately] in csrc/segment.h). If that fails, the message still
+    loads: its writable arrays are copied (arrays_copied_on_receive)."""
+    if not segment.snapshot or segment.private_ready:
+        return
+    try:
+        segment.adopt_private(_open(*where))
+    except OSError:
+        pass
 
 
 # A pooled segment's locator comes back in every message that reuses it.

@@ -67,6 +67,7 @@ def _after_fork_in_child():
     _expiry.after_fork_in_child()
     _C.after_fork_in_child()
     _C.forget_written_tickets()  # the parent's messages, not ours
+    _C.forget_snapshots()  # the parent's copies
     _session.after_fork_in_child()
     # A view without a slot of this process's own protects nothing here: a
     # segment arriving again must be attached anew.

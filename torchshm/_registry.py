@@ -88,7 +88,14 @@ def unregister() -> None:
 def round_trip(obj):
     """`obj` pickled and unpickled through the registered reducers in this
     process: its eligible arrays come back in shared memory, one copy each."""
-    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+    # Sharing mode: copies are shared memory, not snapshots (Note [Sender
+    # plan] in csrc/plan.h).
+    was = _C.set_sharing(True)
+    try:
+        data = ForkingPickler.dumps(obj)
+    finally:
+        _C.set_sharing(was)
+    return ForkingPickler.loads(data)
 
 
 def is_registered() -> bool:

@@ -34,15 +34,17 @@ MAX_SEGMENT_BYTES = 1 << 56
 CREATOR_FD_SHARE = 0.25
 
 
-def allocate(nbytes):
+def allocate(nbytes, populate=True):
     """An int8 tensor over at least `nbytes` of shared memory (use only the
-    first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it."""
-    return allocate_block(nbytes)[0]
+    first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it.
+    Without `populate`, a fresh segment's pages are made by the sender's
+    writes into it (csrc/segment.h, Segment::fill), not up front."""
+    return allocate_block(nbytes, populate)[0]
 
 
-def allocate_block(nbytes):
-    """(allocate(nbytes), whether the memory was used before: a fresh
-    segment's bytes are zero, a reused one's are not)."""
+def allocate_block(nbytes, populate=True):
+    """(allocate(nbytes, populate), whether the memory was used before: a
+    fresh segment's bytes are zero, a reused one's are not)."""
     if not 0 <= nbytes <= MAX_SEGMENT_BYTES:
         raise _C.SharedMemoryError(
             errno.ENOMEM, f"torchshm: no segment can hold {nbytes} bytes"
@@ -53,7 +55,7 @@ def allocate_block(nbytes):
         owner = pool.take(nbytes)
         fresh = owner is None
         if fresh:
-            segment = _create(pool.size_class(nbytes))
+            segment = _create(pool.size_class(nbytes), populate)
             owner, pooled = pool.admit(segment)
         else:
             pooled = True
@@ -95,12 +97,17 @@ def disown_all():
         _holdings.pool.release_all()
 
 
-def _create(capacity):
+def _create(capacity, populate=True):
     _memory.check(capacity)
     _reserve_creator_fd()
     me = _C.process_id()
     segment = _C.Segment.create(
-        _session.session_id(), _session.table(), capacity, me, _config.copy_threads()
+        _session.session_id(),
+        _session.table(),
+        capacity,
+        me,
+        _config.copy_threads(),
+        populate,
     )
     _session.register(segment)  # if the keeper does not take it: no segment
     _stats.add("segments_created")

@@ -97,8 +97,9 @@ REDUCER = _C.reduce_ndarray
 def allocate(nbytes):
     """The native plan's hook for a segment the pool could not give it.
     Looked up at each call, so that the pool and budget policy stays
-    _segments.allocate's (and a test may replace it)."""
-    return _segments.allocate(nbytes)
+    _segments.allocate's (and a test may replace it). Unpopulated: the plan
+    writes a fresh segment's pages with pwrite (Segment::fill)."""
+    return _segments.allocate(nbytes, populate=False)
 
 
 def policy():

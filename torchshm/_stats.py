@@ -26,6 +26,12 @@ COUNTERS = (
     # A fork that went on while a joined torchshm thread was still listed
     # (Note [Threads at fork] in csrc/parallel.h).
     "fork_waits_timed_out",
+    # An unchanged array sent again over its last snapshot: compared, not
+    # copied (Note [Resending an unchanged array] in csrc/snapshots.h).
+    "snapshots_resent",
+    # A receiver rebuilt an array over private pages it had written: copied
+    # (Note [Snapshots are mapped privately] in csrc/segment.h).
+    "arrays_copied_on_receive",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(

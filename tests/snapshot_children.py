@@ -1,0 +1,70 @@
+"""Children for tests/test_snapshots.py (importable under spawn and
+forkserver)."""
+
+
+import torchshm
+from torchshm import _C, _segments
+
+
+def mapping_of(array):
+    """The permissions of the mapping that holds `array`'s first byte, as
+    /proc/self/maps writes them (e.g. "rw-p")."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def segment_of(array):
+    """The segment `array` lies in; None for private memory (a copy)."""
+    owner = _C.memory_owner(array)
+    return None if owner is None else _segments.name_of(owner)
+
+
+def describe(array):
+    return {
+        "segment": segment_of(array),
+        "mapping": mapping_of(array),
+        "writeable": bool(array.flags.writeable),
+        "head": array[:4].tolist(),
+        "tail": array[-4:].tolist(),
+    }
+
+
+def receive_and_write(inbox, outbox, value):
+    """Receives an array, reports it, writes `value` into it, reports what it
+    reads back after the parent says so; then receives arrays until None."""
+    array = inbox.get()
+    outbox.put(describe(array))
+    array[:] = value
+    outbox.put("written")
+    while (message := inbox.get()) is not None:
+        if isinstance(message, str):  # "look"
+            outbox.put(describe(array))
+        else:
+            outbox.put(describe(message))
+            del message
+    del array
+    outbox.put(torchshm.stats())
+
+
+def send_on(inbox, outbox):
+    """Receives an array, sends it back as it is, then after writing to it."""
+    array = inbox.get()
+    outbox.put(array)
+    assert inbox.get() == "write"
+    array[1] = -5.0
+    outbox.put(array)
+    assert inbox.get() == "done"
+    del array
+
+
+def describe_each(inbox, outbox):
+    """Reports every array it receives until None."""
+    while (array := inbox.get()) is not None:
+        outbox.put(describe(array))
+        del array
