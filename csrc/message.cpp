@@ -73,45 +73,45 @@ bool writer_on_stack() {
   return false;
 }
 
-// An array over segment `owner` through the mapping its kind asks for
-// (Note [Snapshots are mapped privately] in segment.h); over `owner` itself
-// when it is not a segment's (torch's own storage). A writable array of a
-// snapshot goes over its message's private view (message_owner); a message
-// that could not have it gets a private copy of the segment's bytes.
-py::object rebuild_over_mapping(const at::Tensor& owner, int64_t offset,
+// An array over segment `owner` (a Python tensor) through the mapping its
+// kind asks for (Note [Snapshots are mapped privately] in segment.h); over
+// `owner` itself when it is not a segment's (torch's own storage). A
+// writable array of a snapshot goes over its message's private view
+// (message_owner); a message that could not have it gets a private copy of
+// the segment's bytes.
+py::object rebuild_over_mapping(py::handle owner, int64_t offset,
                                 py::handle dtype,
                                 const std::vector<int64_t>& shape,
                                 const std::vector<int64_t>& strides,
                                 bool writeable) {
   using Mapping = Segment::Mapping;
-  View* view = view_of(owner);
-  if (view == nullptr)
-    return wrap_ndarray(owner, offset, dtype, shape, strides, writeable);
-  if (!writeable) {
-    const at::Tensor over = mapped_tensor(owner, Mapping::kReadOnly);
-    TORCH_CHECK(over.defined(), "cannot map segment ", view->segment->name(),
-                " read-only");
-    return wrap_ndarray(over, offset, dtype, shape, strides, false);
+  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  View* view = view_of(tensor);
+  auto over = [&](py::handle mapped, bool writable) {
+    return wrap_ndarray(THPVariable_Unpack(mapped.ptr()), offset, dtype, shape,
+                        strides, writable);
+  };
+  if (view == nullptr) return over(owner, writeable);
+  if (!writeable ||
+      (view->segment->snapshot() && view->kind != Mapping::kPrivate)) {
+    // Read-only arrays over the read-only mapping; a writable one handed the
+    // shared view of a snapshot itself (not through attach) over a private
+    // mapping for it alone, if this process can make one.
+    const py::object mapped =
+        mapped_object(owner, writeable ? Mapping::kPrivate : Mapping::kReadOnly,
+                      config().policy.copy_threads);
+    if (!mapped.is_none()) return over(mapped, writeable);
+    const py::object pristine = mapped_object(owner, Mapping::kReadOnly);
+    TORCH_CHECK(!pristine.is_none(), "cannot map segment ",
+                view->segment->name(), " read-only");
+    if (!writeable) return over(pristine, false);
+    py::object source = over(pristine, false);
+    PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
+    if (copy == nullptr) throw py::error_already_set();
+    count(kArraysCopiedOnReceive);
+    return py::reinterpret_steal<py::object>(copy);
   }
-  if (!view->segment->snapshot() || view->kind == Mapping::kPrivate) {
-    return wrap_ndarray(mapped_tensor(owner, view->kind), offset, dtype, shape,
-                        strides, true);
-  }
-  // Handed the shared view itself (not through attach): a private mapping
-  // for this array alone, if this process can make one.
-  const at::Tensor mine =
-      mapped_tensor(owner, Mapping::kPrivate, config().policy.copy_threads);
-  if (mine.defined())
-    return wrap_ndarray(mine, offset, dtype, shape, strides, true);
-  const at::Tensor pristine = mapped_tensor(owner, Mapping::kReadOnly);
-  TORCH_CHECK(pristine.defined(), "cannot map segment ", view->segment->name(),
-              " read-only");
-  py::object source =
-      wrap_ndarray(pristine, offset, dtype, shape, strides, false);
-  PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
-  if (copy == nullptr) throw py::error_already_set();
-  count(kArraysCopiedOnReceive);
-  return py::reinterpret_steal<py::object>(copy);
+  return over(owner, true);
 }
 
 // --- the wire's native functions (named torchshm._reduction.<name>) -------
@@ -134,9 +134,9 @@ PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
     const auto strides = py::cast<std::vector<int64_t>>(py::handle(args[4]));
     const int writeable = PyObject_IsTrue(args[5]);
     if (writeable < 0) throw py::error_already_set();
-    py::object array = rebuild_over_mapping(THPVariable_Unpack(args[0]), offset,
-                                            py::handle(args[2]), shape, strides,
-                                            writeable != 0);
+    py::object array =
+        rebuild_over_mapping(py::handle(args[0]), offset, py::handle(args[2]),
+                             shape, strides, writeable != 0);
     count(kArraysReceived);
     if (args[6] == Py_None) return array.release().ptr();
     static PyObject* view_name = PyUnicode_InternFromString("view");

@@ -181,9 +181,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_sharing", &torchshm::set_sharing, py::arg("on"),
         "Sharing mode for this thread (share()): returns the previous one.");
   m.def("forget_snapshots", [] { torchshm::snapshots().clear(); });
-  m.def("message_owner", &torchshm::message_owner, py::arg("owner"),
-        py::arg("threads"),
-        "What a message's arrays over segment `owner` are rebuilt over.");
+  m.def(
+      "message_owner",
+      [](const at::Tensor& owner, int threads) {
+        return torchshm::message_owner(py::cast(owner), threads);
+      },
+      py::arg("owner"), py::arg("threads"),
+      "What a message's arrays over segment `owner` are rebuilt over.");
   m.def("in_flight_count", &torchshm::in_flight_count);
   m.def("wake_when_quiet", &torchshm::wake_when_quiet, py::arg("fd"));
 

@@ -788,12 +788,26 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
                      segment->capacity());
 }
 
-at::Tensor message_owner(const at::Tensor& owner, int threads) {
-  View* view = view_of(owner);
+py::object mapped_object(py::handle owner, Segment::Mapping kind, int threads) {
+  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  const at::Tensor mapped = mapped_tensor(tensor, kind, threads);
+  if (!mapped.defined()) return py::none();
+  if (mapped.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl())
+    return py::reinterpret_borrow<py::object>(owner);
+  py::object alias = py::cast(mapped);
+  static const py::str kOwner("_torchshm_owner");
+  alias.attr(kOwner) = owner;
+  return alias;
+}
+
+py::object message_owner(py::handle owner, int threads) {
+  View* view = view_of(THPVariable_Unpack(owner.ptr()));
   TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  if (!view->segment->snapshot()) return owner;
-  at::Tensor mine = mapped_tensor(owner, Segment::Mapping::kPrivate, threads);
-  return mine.defined() ? mine : owner;
+  if (view->segment->snapshot()) {
+    py::object mine = mapped_object(owner, Segment::Mapping::kPrivate, threads);
+    if (!mine.is_none()) return mine;
+  }
+  return py::reinterpret_borrow<py::object>(owner);
 }
 
 int64_t prune_in_flight() {

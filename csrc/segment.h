@@ -408,8 +408,8 @@ View* view_of(const at::Storage& storage);
 at::Tensor tensor_of(at::Storage storage);
 // What a message's arrays are rebuilt over (Note [Snapshots are mapped
 // privately]): for a snapshot, a view over a private mapping of its own if
-// one can be had, else `owner`.
-at::Tensor message_owner(const at::Tensor& owner, int threads);
+// one can be had, else `owner` (a Python tensor over a segment).
+py::object message_owner(py::handle owner, int threads);
 // Whether this process wrote a page of bytes [lo, hi) of the private
 // mapping behind `view` (those pages are its own now, not the segment's);
 // false for any other view.
@@ -419,6 +419,14 @@ bool written_privately(const View* view, int64_t lo, int64_t hi);
 // mapping's; undefined if that mapping cannot be made here.
 // `threads` as in Segment::take_private.
 at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
+                         int threads = 1);
+// mapped_tensor for a Python tensor `owner`, as a Python tensor (None where
+// the mapping cannot be made). A new one holds `owner` as an attribute: the
+// weak reference callback on `owner` (the receiver's last-view hook,
+// _attach._on_last_view) then fires once the arrays over either are gone,
+// as it does when they all lie over `owner`. A Python reference, not a C++
+// one: see View.
+py::object mapped_object(py::handle owner, Segment::Mapping kind,
                          int threads = 1);
 
 // The expiry timer of torchshm/_expiry.py sleeps without a deadline while

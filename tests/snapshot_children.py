@@ -68,3 +68,23 @@ def describe_each(inbox, outbox):
     while (array := inbox.get()) is not None:
         outbox.put(describe(array))
         del array
+
+
+def cache_while_held(inbox, outbox):
+    """Receives an array and reports whether its mapping sits in the
+    receiver's cache of idle mappings while the array lives, then after it
+    is dropped."""
+    import gc
+
+    from torchshm import _holdings, _mappings
+
+    array = inbox.get()
+    name = segment_of(array)
+    with _holdings.lock:
+        held = _mappings.get(name) is not None
+    del array
+    gc.collect()
+    with _holdings.lock:
+        dropped = _mappings.get(name) is not None
+    outbox.put((held, dropped))
+    assert inbox.get() is None

@@ -188,3 +188,14 @@ def test_a_write_through_the_base_beyond_the_array_is_dropped_before_reuse():
     again = ForkingPickler.loads(ForkingPickler.dumps(sent))  # the same snapshot
     assert kids.segment_of(again) == name
     assert int(again.base[-1]) == tail  # the segment's byte, not the old write
+
+
+def test_a_receiver_caches_the_mapping_once_the_arrays_are_gone(ctx, child):
+    # The arrays lie over a private mapping, not over the view that holds
+    # the segment's slot: the cache must still wait for them.
+    c = child(ctx, kids.cache_while_held)
+    c.send(model())
+    held, dropped = c.receive()
+    c.send(None)
+    assert c.close() == 0
+    assert (held, dropped) == (False, True)
