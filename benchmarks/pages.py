@@ -1,7 +1,7 @@
 """What a page costs: the mechanisms behind scenario 14 (a model to many
 workers), one figure each, medians of `--rounds` (default 5).
 
-    python -m benchmarks.pages            # fill, map, resend
+    python -m benchmarks.pages            # fill, map, resend, stale
     python -m benchmarks.micro pages      # the same
 
 - fill: n bytes into a fresh memfd, by pwrite() (what torchshm does for a
@@ -14,6 +14,9 @@ workers), one figure each, medians of `--rounds` (default 5).
 - resend: torchshm's ForkingPickler.dumps of a fresh 512 MiB array (a copy)
   against the same array sent again unchanged (a comparison with its
   snapshot: Note [Resending an unchanged array] in csrc/snapshots.h).
+- stale: what workers read of an array changed between two calls, through
+  joblib's `Parallel` (one context, auto-memmapping) and through torchshm (a
+  pool's tasks): joblib knows an array by its identity and sends it once.
 """
 
 import mmap
@@ -140,6 +143,40 @@ def resend(nbytes=512 * MIB, rounds=5):
     )
 
 
+def _first_element(array):
+    return float(array[0])
+
+
+def stale(nbytes=32 * MIB):
+    """Prints what 2 workers read of a[0] before and after `a[0] = 7`."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torchshm  # noqa: F401 - registers the reducers for the pool
+
+    # Above joblib's max_nbytes (1 MB), and a segment of its own for torchshm:
+    # the unchanged-resend path.
+    array = np.zeros(nbytes // 8)
+    seen = {}
+    try:
+        from joblib import Parallel, delayed
+
+        with Parallel(n_jobs=2) as parallel:
+            calls = [delayed(_first_element)(array) for _ in range(2)]
+            before = parallel(calls)
+            array[0] = 7
+            seen["joblib Parallel"] = (before, parallel(calls))
+        array[0] = 0
+    except ImportError:
+        print("stale: joblib is not installed; torchshm only")
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
+        before = list(pool.map(_first_element, [array] * 2))
+        array[0] = 7
+        seen["torchshm"] = (before, list(pool.map(_first_element, [array] * 2)))
+    for who, (before, after) in seen.items():
+        print(f"stale: {who}: workers read a[0] {before}, after a[0] = 7: {after}")
+
+
 def main(only=()):
     rounds = 5
     if not only or "fill" in only:
@@ -148,6 +185,8 @@ def main(only=()):
         map_kinds(rounds=rounds)
     if not only or "resend" in only:
         resend(rounds=rounds)
+    if not only or "stale" in only:
+        stale()
 
 
 if __name__ == "__main__":
