@@ -6,6 +6,7 @@
 
 #include "allocator.h"
 #include "config.h"
+#include "cxx_runtime.h"
 #include "errors.h"
 #include "identity.h"
 #include "items.h"
@@ -67,6 +68,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torchshm's native mechanism: segments, holders, extents, copies.";
   m.attr("built_with_torch") = TORCHSHM_TORCH_VERSION;
   m.attr("built_with_numpy") = TORCHSHM_NUMPY_VERSION;
+  m.attr("own_cxx_runtime") = torchshm::own_cxx_runtime();
   {
     // Every constant of layout.h, for the keeper's copy and its test.
     using namespace torchshm;

@@ -2,9 +2,11 @@
 TORCHSHM_DISABLE at import, the version-mismatch ImportError, and a clear
 error for a bad value of every environment variable torchshm reads."""
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -330,3 +332,55 @@ def test_the_threshold_is_read_at_import():
         TORCHSHM_THRESHOLD="1M",
     )
     assert result == 1 << 20
+
+
+# ------------------------------------------------------------ one C++ runtime
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+
+
+@pytest.mark.parametrize(
+    "flags,own",
+    [
+        ([], False),
+        # Python loads extension modules (torch's libstdc++ with them) into
+        # local scopes, so nothing interposes a static copy's functions.
+        (["-static-libstdc++"], True),
+        # What the GPU machines' compiler wrapper and Ubuntu's Python link.
+        (["-static-libstdc++", "-Wl,-Bsymbolic-functions"], True),
+    ],
+    ids=["shared", "static", "static-bsymbolic"],
+)
+def test_a_library_knows_whether_it_runs_a_cxx_runtime_of_its_own(
+    flags, own, tmp_path
+):
+    # The detection of csrc/cxx_runtime.h, built into a small library as the
+    # module is, loaded into this process (which holds torch's libstdc++).
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        pytest.skip("needs g++, the compiler torchshm's module is built with")
+    source = tmp_path / "probe.cpp"
+    source.write_text(
+        '#include "cxx_runtime.h"\n'
+        'extern "C" int probe() { return torchshm::own_cxx_runtime(); }\n'
+    )
+    library = tmp_path / "probe.so"
+    subprocess.run(
+        [cxx, "-std=c++17", "-shared", "-fPIC", "-I", CSRC, str(source)]
+        + ["-o", str(library)]
+        + flags,
+        check=True,
+        timeout=120,
+    )
+    assert ctypes.CDLL(str(library)).probe() == int(own)
+
+
+def test_this_module_shares_torchs_cxx_runtime():
+    assert torchshm._C.own_cxx_runtime is False
+
+
+def test_a_module_with_a_cxx_runtime_of_its_own_is_refused(monkeypatch):
+    monkeypatch.setattr(torchshm._C, "own_cxx_runtime", True)
+    with pytest.raises(ImportError, match="C\\+\\+ runtime of its own") as info:
+        _compat.check_native(torchshm._C)
+    assert "CXX=" in str(info.value)  # how to rebuild

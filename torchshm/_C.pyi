@@ -16,6 +16,7 @@ LAYOUT: dict[str, int]
 PICKLE_TAG: int
 built_with_numpy: str
 built_with_torch: str
+own_cxx_runtime: bool
 testing: Any  # Native internals for torchshm's tests and benchmarks.
 live: LiveViews
 

@@ -43,7 +43,18 @@ def _mismatch_message(built, cause=""):
 
 def check_native(native):
     """Raises an ImportError naming both versions unless the native module
-    `native` was built for this process's torch and numpy."""
+    `native` was built for this process's torch and numpy, or naming the fix
+    if it carries a C++ runtime of its own (Note [One C++ runtime] in
+    csrc/module.cpp)."""
+    if getattr(native, "own_cxx_runtime", False):
+        raise ImportError(
+            "torchshm's native module was linked with a C++ runtime of its own"
+            " (libstdc++ linked statically, e.g. by a compiler wrapper): torch's"
+            " errors cannot cross into it and the first one would crash the"
+            " process. Rebuild it with a compiler that links libstdc++"
+            " dynamically, as torch does, e.g. CXX=/usr/bin/g++ pip install"
+            " --no-build-isolation --force-reinstall torchshm"
+        )
     built = {"torch": native.built_with_torch, "numpy": native.built_with_numpy}
     if _major_minor(built["torch"]) != TORCH_VERSION or (
         # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
