@@ -351,9 +351,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
     ],
     ids=["shared", "static", "static-bsymbolic"],
 )
-def test_a_library_knows_whether_it_runs_a_cxx_runtime_of_its_own(
-    flags, own, tmp_path
-):
+def test_a_library_knows_whether_it_runs_a_cxx_runtime_of_its_own(flags, own, tmp_path):
     # The detection of csrc/cxx_runtime.h, built into a small library as the
     # module is, loaded into this process (which holds torch's libstdc++).
     cxx = shutil.which(os.environ.get("CXX", "g++"))
