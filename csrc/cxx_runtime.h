@@ -13,11 +13,14 @@ namespace torchshm {
 // torch's errors (c10::Error, thrown by TORCH_CHECK here) are caught by
 // code of this module and of torch's alike. A module that carries a C++
 // runtime of its own (libstdc++ linked statically, as a compiler wrapper
-// may do: the GPU machines' /opt/gcc/bin/g++ does) knows no exception thrown
-// through the other runtime, and the first error raised crashes the process
-// (SIGSEGV, seen on torch 2.11 there; the system g++ built a module that
-// passed). So the module says whether it carries one, and the import
-// refuses it (_compat.check_native).
+// may do: the GPU machines' /opt/gcc/bin/g++ does, under Ubuntu's Python,
+// which links with -Bsymbolic-functions) crashed the process at the first
+// error raised there (SIGSEGV, torch 2.11, Python 3.12); the system g++
+// built a module that passed. A static build on the 2-core reference
+// machine (Debian's GCC 12, pyenv's Python) raised that error cleanly: the
+// hazard depends on the toolchain, and a crash is the worst way to find
+// out. So the module says whether it carries its own runtime, and the
+// import refuses it with the fix (_compat.check_native).
 namespace cxx_runtime_detail {
 // Code of this shared object's own: internal linkage, so no other object's
 // copy can stand in for it (an inline variable is one per process).
