@@ -9,6 +9,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace torchshm {
@@ -81,6 +82,27 @@ void parallel_chunks(int64_t n, int threads, int64_t min_per_thread,
   }
   work(0, std::min(chunk, n));
   if (mine_from < n) work(mine_from, n - mine_from);
+}
+
+// Runs work() on a detached thread that bears kWorkerThreadName from its
+// first instant, so that a fork's wait finds it even before it runs: a
+// thread inherits its creator's name, and the creator wears that name for
+// the moment it starts it. False if no thread could start (then nothing
+// ran).
+template <typename Work>
+bool start_detached_worker(Work work) {
+  char mine[16] = {};
+  const bool named =
+      ::pthread_getname_np(::pthread_self(), mine, sizeof mine) == 0 &&
+      ::pthread_setname_np(::pthread_self(), kWorkerThreadName) == 0;
+  bool started = true;
+  try {
+    std::thread(std::move(work)).detach();
+  } catch (const std::system_error&) {
+    started = false;
+  }
+  if (named) ::pthread_setname_np(::pthread_self(), mine);
+  return started;
 }
 
 }  // namespace torchshm

@@ -1,6 +1,7 @@
 #include "segment.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -15,12 +16,14 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
 #include "identity.h"
 #include "ndarray.h"
 #include "parallel.h"
+#include "stats.h"
 
 namespace torchshm {
 
@@ -333,6 +336,8 @@ Segment::~Segment() {
   ::munmap(base_, mapped_bytes_);
   const size_t data_bytes = mapped_bytes_ - kHeaderBytes;
   if (uint8_t* p = idle_private_.load()) ::munmap(p, data_bytes);
+  // A walk that a forked child inherited (the parent's thread is not here).
+  if (walking_ != nullptr) ::munmap(walking_, data_bytes);
   if (uint8_t* p = readonly_.load()) ::munmap(p, data_bytes);
   close_fd();
 }
@@ -414,44 +419,98 @@ uint8_t* Segment::mapping(Mapping kind) {
   return readonly_.load();
 }
 
+void Segment::drop_written(uint8_t* data, int threads) {
+  count(kPrivateMappingsWalked);
+  // The mapping reads the segment's pages again where this process wrote
+  // (MADV_DONTNEED on a private file mapping). All of it: a view's .base
+  // tensor spans the whole data, not only its arrays.
+  parallel_chunks(capacity_, threads, kMinScanPerThread, kPageBytes,
+                  [&](int64_t begin, int64_t len) {
+                    for_each_written_run(data + begin, static_cast<size_t>(len),
+                                         [](uint8_t* run, size_t bytes) {
+                                           ::madvise(run, bytes, MADV_DONTNEED);
+                                           return true;
+                                         });
+                  });
+}
+
 uint8_t* Segment::take_private(int threads) {
   uint8_t* idle = nullptr;
   bool written = false;
   {
-    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    std::unique_lock<std::mutex> guard(mappings_mutex_);
+    // This process's walk ends soon; a walk of another (the parent's, in a
+    // forked child) never will here: that mapping is walked now instead.
+    walked_.wait(guard, [&] {
+      return walking_ == nullptr || walking_pid_ != ::getpid() ||
+             idle_private_.load() != nullptr;
+    });
     idle = idle_private_.exchange(nullptr);
     written = idle_written_;
+    if (idle == nullptr && walking_ != nullptr) {
+      idle = std::exchange(walking_, nullptr);
+      written = true;
+    }
   }
   if (idle != nullptr) {
-    // What an earlier message wrote goes: the mapping reads the segment's
-    // pages again (MADV_DONTNEED on a private file mapping). All of it: a
-    // view's .base tensor spans the whole data, not only its arrays.
-    if (written)
-      parallel_chunks(capacity_, threads, kMinScanPerThread, kPageBytes,
-                      [&](int64_t begin, int64_t len) {
-                        for_each_written_run(
-                            idle + begin, static_cast<size_t>(len),
-                            [](uint8_t* run, size_t bytes) {
-                              ::madvise(run, bytes, MADV_DONTNEED);
-                              return true;
-                            });
-                      });
+    if (written) drop_written(idle, threads);
     return idle;
   }
   const int fd = fd_.load();
   return fd >= 0 ? map_private(fd) : nullptr;
 }
 
+bool Segment::private_ready() const {
+  if (idle_private_.load() != nullptr || fd_.load() >= 0) return true;
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  return walking_ != nullptr;
+}
+
 void Segment::give_back_private(uint8_t* data, bool written) {
+  uint8_t* walked = nullptr;
   {
     std::lock_guard<std::mutex> guard(mappings_mutex_);
-    if (idle_private_.load() == nullptr) {
-      idle_written_ = written;
-      idle_private_.store(data);
-      return;
+    if (idle_private_.load() == nullptr && walking_ == nullptr) {
+      if (!written) {
+        idle_written_ = false;
+        idle_private_.store(data);
+        return;
+      }
+      walked = walking_ = std::exchange(data, nullptr);
+      walking_pid_ = ::getpid();
     }
   }
-  ::munmap(data, mapped_bytes_ - kHeaderBytes);
+  if (data != nullptr) {  // one mapping is kept, idle or being walked
+    ::munmap(data, mapped_bytes_ - kHeaderBytes);
+    return;
+  }
+  // Off the receiver's path: the next message over this segment waits for
+  // the walk only if it comes before the walk is done. A thread named as
+  // Note [Threads at fork] asks; where none can start, the walk runs here.
+  const bool started =
+      start_detached_worker([self = shared_from_this(), walked] {
+        self->drop_written(walked, 1);
+        self->walk_done(walked);
+      });
+  if (!started) {
+    drop_written(walked, 1);
+    walk_done(walked);
+  }
+}
+
+void Segment::walk_done(uint8_t* data) {
+  {
+    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    if (walking_ != data) return;  // taken meanwhile (walked there too)
+    walking_ = nullptr;
+    if (idle_private_.load() == nullptr) {
+      idle_written_ = false;
+      idle_private_.store(data);
+      data = nullptr;
+    }
+  }
+  walked_.notify_all();
+  if (data != nullptr) ::munmap(data, mapped_bytes_ - kHeaderBytes);
 }
 
 void Segment::adopt_private(Segment& other) {

@@ -172,9 +172,11 @@
 // 0.37 s (a fresh page each) against 0.21 s through the shared one.
 #pragma once
 
+#include <sys/types.h>
 #include <torch/extension.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -185,7 +187,7 @@
 
 namespace torchshm {
 
-class Segment {
+class Segment : public std::enable_shared_from_this<Segment> {
  public:
   // Which mapping of the data an array is rebuilt over (Note [Snapshots are
   // mapped privately]).
@@ -271,13 +273,12 @@ class Segment {
   // written (Note [Knowing that nothing was written]).
   uint8_t* take_private(int threads);
   // Takes back a view's private mapping; `written`: this process may have
-  // written a page of it.
+  // written a page of it, and a thread of its own walks it for those pages
+  // (Note [Knowing that nothing was written]).
   void give_back_private(uint8_t* data, bool written);
   // Whether take_private() can give one more message a private mapping: one
-  // is idle, or this process has the fd to make one.
-  bool private_ready() const {
-    return idle_private_.load() != nullptr || fd_.load() >= 0;
-  }
+  // is idle or being walked, or this process has the fd to make one.
+  bool private_ready() const;
   // Takes `other`'s idle private mapping (the same segment, attached anew
   // from a fresh fd) as this one's: a receiver, which keeps no fd, then has
   // a private mapping for one more message (Note [Snapshots are mapped
@@ -329,8 +330,18 @@ class Segment {
   std::atomic<int64_t> views_{0};
   std::atomic<uint8_t*> idle_private_{nullptr};  // set under mappings_mutex_
   bool idle_written_ = false;  // of idle_private_: the mutex's
+  // A private mapping a thread of process walking_pid_ walks for written
+  // pages; it becomes the idle one (walked_ is notified). The mutex's.
+  uint8_t* walking_ = nullptr;
+  pid_t walking_pid_ = 0;
+  std::condition_variable walked_;
+  // Drops the pages this process wrote in private mapping `data`, with up
+  // to `threads` threads.
+  void drop_written(uint8_t* data, int threads);
+  // The walk of `data` is done: it becomes the idle mapping.
+  void walk_done(uint8_t* data);
   std::atomic<uint8_t*> readonly_{nullptr};
-  std::mutex mappings_mutex_;
+  mutable std::mutex mappings_mutex_;
   std::atomic<int64_t> private_views_{0};  // views over private mappings
   bool write_fill_ = false;  // created without populate: fill() by pwrite
 
@@ -341,26 +352,34 @@ class Segment {
 };
 
 // Note [Knowing that nothing was written]
-// A private mapping is reused for the next message only once the pages this
+// A private mapping serves the next message only once the pages this
 // process wrote in it are dropped (they are its own copies, no longer the
 // segment's). Finding them walks the page table (PAGEMAP_SCAN, Linux 6.7+,
-// else /proc/self/pagemap): 5 ms per 512 MiB present, 2-core reference
+// else /proc/self/pagemap): 4-5 ms per 512 MiB present, 2-core reference
 // machine, because telling a copied page from the file's reads each page's
-// struct page. Most messages are only read, so the walk is skipped when it
-// cannot find anything: a write through a private mapping of a file always
-// faults (its pages are the file's, mapped read-only, until the kernel
-// copies one), and the kernel counts every fault a process takes, whatever
-// thread takes it (getrusage: minor plus major faults). So if the count is
-// the same when a view dies as when its mapping was lent to it, in the same
-// process, no page was copied, provided none was copied before: a mapping
-// is lent only fresh or cleaned, so that holds. Any other fault in the
-// meantime (a fresh page anywhere) only costs the walk. What this cannot
-// see: another process writing this one's memory (process_vm_writev,
-// /proc/<pid>/mem), which faults in the writer; one user's processes are
-// not a boundary (README, Limits). Soft-dirty bits would answer per page
-// without the struct page, but kernels without CONFIG_MEM_SOFT_DIRTY (the
-// reference machine's) never set them, and userfaultfd's write tracking
-// turns off fault-around for the whole mapping (first reads 6x slower).
+// struct page. Two things keep that off the receiver's path:
+// - The walk is skipped when it cannot find anything: a write through a
+//   private mapping of a file always faults (its pages are the file's,
+//   mapped read-only, until the kernel copies one), and the kernel counts
+//   every fault a process takes, whatever thread takes it (getrusage: minor
+//   plus major faults). So if the count is the same when a view dies as
+//   when its mapping was lent to it, in the same process, no page was
+//   copied, provided none was copied before: a mapping is lent only fresh
+//   or walked, so that holds. A pipeline's receiver usually faults
+//   somewhere meanwhile (a DataLoader's main process did, every batch), a
+//   ping-pong receiver does not.
+// - Otherwise the walk runs on a thread of its own as the view dies
+//   (give_back_private), while the receiver goes on; the next message over
+//   that segment waits for it only if it comes first. An ERA5 DataLoader
+//   epoch (benchmarks era5) cost 14% more with the walk on the receiver's
+//   path; with it aside, within the run-to-run noise.
+// What the count cannot see: another process writing this one's memory
+// (process_vm_writev, /proc/<pid>/mem), which faults in the writer; one
+// user's processes are not a boundary (README, Limits). Soft-dirty bits
+// would answer per page without the struct page, but kernels without
+// CONFIG_MEM_SOFT_DIRTY (the reference machine's) never set them, and
+// userfaultfd's write tracking turns off fault-around for the whole mapping
+// (first reads 6x slower) and is refused in Docker's default seccomp.
 struct WriteWatch {
   pid_t pid = 0;
   int64_t faults = -1;

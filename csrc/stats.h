@@ -24,6 +24,7 @@ enum Counter : int {
   kForkWaitsTimedOut,
   kSnapshotsResent,
   kArraysCopiedOnReceive,
+  kPrivateMappingsWalked,
   kCounterCount,
 };
 

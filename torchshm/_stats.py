@@ -29,9 +29,14 @@ COUNTERS = (
     # An unchanged array sent again over its last snapshot: compared, not
     # copied (Note [Resending an unchanged array] in csrc/snapshots.h).
     "snapshots_resent",
-    # A receiver rebuilt an array over private pages it had written: copied
-    # (Note [Snapshots are mapped privately] in csrc/segment.h).
+    # A writable array of a snapshot that this process could not map
+    # privately: copied (Note [Snapshots are mapped privately] in
+    # csrc/segment.h).
     "arrays_copied_on_receive",
+    # A private mapping walked for the pages this process wrote before it
+    # served another message: it took a page fault meanwhile (Note [Knowing
+    # that nothing was written] in csrc/segment.h).
+    "private_mappings_walked",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(
