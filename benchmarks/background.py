@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import torchshm
-from torchshm import _session
+from torchshm._lifetime import session as _session
 
 ARRAY_FLOATS = 37_500  # 300 KB
 OURS = ("keeper", "producer", "consumer")

@@ -30,7 +30,8 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 
 import torchshm
-from torchshm import _C, _segments
+from torchshm import _C
+from torchshm._lifetime import segments as _segments
 
 MIB = 1 << 20
 

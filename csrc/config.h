@@ -12,7 +12,7 @@ namespace torchshm {
 
 class SegmentPool;
 
-// The sender's numbers (torchshm/_sender.py and _config.py say why each is
+// The sender's numbers (torchshm/_send/sender.py and _config.py say why each is
 // what it is). No member has a default: configure() sets every one.
 struct SenderPolicy {
   // Arrays from this many bytes up are shared; below, pickled inline until
@@ -53,7 +53,7 @@ struct Hooks {
   // nbytes -> (segment tensor, reused) or None: born-shared memory.
   PyObject* born_source;
   // Code objects of the frames that write a pickled message to a
-  // Connection (torchshm/_channel.py), and how far up to look for one.
+  // Connection (torchshm/_send/channel.py), and how far up to look for one.
   PyObject* writers;
   int max_depth;
   // The sender's pool (pool.h), taken from without entering Python.

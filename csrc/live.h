@@ -14,7 +14,7 @@ namespace torchshm {
 // again is rebuilt over the same view, so arrays over it stay aliased (torch's
 // shared_cache does the same), and before fork the parent takes a slot for
 // the child in every segment it has a live view of (Note [Fork] in
-// torchshm/_lifecycle.py). The table holds weak references: a view dies with
+// torchshm/_lifetime/lifecycle.py). The table holds weak references: a view dies with
 // its last array. Both languages write it: Python when it allocates or
 // attaches, the sender's plan when it takes a pooled segment without
 // entering Python (Note [Segment pool]). So it lives here, and every

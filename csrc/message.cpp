@@ -411,7 +411,7 @@ PyObject* reduce_through_message(PyObject* obj, int64_t small) {
 }
 
 // See the Note: by size, natively; object and empty arrays go to Python's
-// reduce_other, which never raises (torchshm/_sender.py).
+// reduce_other, which never raises (torchshm/_send/sender.py).
 PyObject* fast_reduce(PyObject* /*self*/, PyObject* obj) {
   static PyObject* reduce_name = PyUnicode_InternFromString("__reduce__");
   if (!configured()) {

@@ -40,7 +40,7 @@ namespace torchshm {
 //
 // Tickets and the pipe (Note [Segment lifetime]). A ticket issued while a
 // multiprocessing writer's frame is on this thread's stack (Connection.send,
-// SimpleQueue.put, Queue's feeder: torchshm/_channel.py lists their code
+// SimpleQueue.put, Queue's feeder: torchshm/_send/channel.py lists their code
 // objects) is marked "being written" with this process as its writer, and
 // remembered by the thread. Connection._send_bytes, which writes every such
 // message in the thread that pickled it, then calls message_writing(pipe)

@@ -24,7 +24,7 @@ namespace torchshm {
 // group, and on a busy machine it stays listed in /proc/self/task for a
 // while. So every thread torchshm starts names itself "torchshm-<role>"
 // first thing (the copy and populate workers here, the expiry timer in
-// torchshm/_expiry.py), and the before-fork hook, once it has joined the
+// torchshm/_lifetime/expiry.py), and the before-fork hook, once it has joined the
 // timer, waits (bounded) until no thread so named is listed. By name, not by
 // thread id: it also finds a timer that ended on its own a moment ago, and a
 // recycled id is never waited for. The wait is there, once per fork, rather

@@ -3,7 +3,7 @@
 // Note [Segment pool]
 // A sender keeps the segments it created and reuses one once nothing but its
 // pool holds it (Note [Segment lifetime] in segment.h). This is the
-// mechanism; torchshm/_pool.py is the policy: what to admit (the session's
+// mechanism; torchshm/_lifetime/pool.py is the policy: what to admit (the session's
 // budget), when to release, the size classes, and when the once-a-second
 // thorough pass is due.
 // - Every operation is one call under the GIL, and `take` makes the taken
@@ -35,7 +35,7 @@ namespace torchshm {
 // Seconds on the clock Python's time.monotonic() reads.
 double monotonic_seconds();
 
-// Python's numbers (torchshm/_pool.py), handed to the constructor.
+// Python's numbers (torchshm/_lifetime/pool.py), handed to the constructor.
 struct PoolClasses {
   // Sizes round up to 1/steps of their power of two, from min_class up.
   int64_t min_class;

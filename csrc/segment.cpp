@@ -247,7 +247,7 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
     throw_errno(EMFILE, "the session has ", table->capacity(),
                 " live segments, as many as its keeper may hold fds for"
                 " (raise the hard limit of `ulimit -n`)");
-  // What /proc/<pid>/maps shows (torchshm._doctor.SEGMENT_MAPPING).
+  // What /proc/<pid>/maps shows (torchshm._tools.doctor.SEGMENT_MAPPING).
   char tag[96];
   std::snprintf(tag, sizeof tag, "torchshm-segment:%s:%d", session.c_str(),
                 index);

@@ -11,7 +11,7 @@
 // mapping go, so whatever dies, nothing outlives the processes using it.
 //
 // Who has an fd. The creator creates it and sends its fd to the session's
-// keeper (torchshm/_keeper.py, one process per session), which keeps it at
+// keeper (torchshm/_lifetime/keeper/daemon.py, one process per session), which keeps it at
 // fd number fd_base + index, the segment's index in the session table
 // (table.h). A receiver opens /proc/<keeper>/fd/<fd_base + index> (no round
 // trip), or the creator's own fd the same way, or asks the keeper over its
@@ -23,7 +23,7 @@
 // (prune_in_flight), so that its messages survive a keeper's death. Those
 // fds count against the hard fd limit: the creator raises its soft limit
 // as they need, and past a quarter of the hard limit it makes no new
-// segment (its arrays are pickled by value, torchshm/_segments.py).
+// segment (its arrays are pickled by value, torchshm/_lifetime/segments.py).
 // Cost of a first map (one-off, 2-core reference machine): ~18 us through
 // /proc against ~15 us for shm_open of a /dev/shm file; ~25 us through the
 // keeper's socket.
@@ -448,7 +448,7 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
 py::object mapped_object(py::handle owner, Segment::Mapping kind,
                          int threads = 1);
 
-// The expiry timer of torchshm/_expiry.py sleeps without a deadline while
+// The expiry timer of torchshm/_lifetime/expiry.py sleeps without a deadline while
 // every pooled segment has a local view (none can expire). Armed with a pipe
 // fd, the next pooled segment whose last local view dies writes one byte to
 // it and disarms it: one wake-up per such sleep, no syscall per message
@@ -463,7 +463,7 @@ int64_t open_creator_fds();
 // Segments this process created that no view holds but a message in flight
 // names (kept by the last view's destructor): prune_in_flight lets go of
 // those whose messages were all read or found dead and returns how many are
-// left; torchshm/_expiry.py calls it while any are kept.
+// left; torchshm/_lifetime/expiry.py calls it while any are kept.
 int64_t prune_in_flight();
 int64_t in_flight_count();
 

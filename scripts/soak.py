@@ -371,10 +371,31 @@ def receiver(cfg, r, channels, shared, result_path):
 # ------------------------------------------------------------- the driver
 
 
+def _keeper_protocol():
+    """torchshm's keeper/protocol.py, loaded from its file: importing it
+    through the package would import torchshm into this top-level process."""
+    import importlib.util
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "torchshm",
+        "_lifetime",
+        "keeper",
+        "protocol.py",
+    )
+    spec = importlib.util.spec_from_file_location("_keeper_protocol", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_protocol = _keeper_protocol()
+
+
 def keeper_pids(sessions):
     """Keeper processes of these sessions, whoever started them: a keeper
     killed is replaced by whichever member needs one first, so the pid that
-    torchshm._session.keeper_pid() gave at the start goes stale."""
+    torchshm._lifetime.session.keeper_pid() gave at the start goes stale."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -385,10 +406,9 @@ def keeper_pids(sessions):
         except OSError:
             continue
         argv = [a.decode(errors="replace") for a in argv if a]
-        # `python -I -S .../_keeper.py SESSION [more arguments]`
-        at = [i for i, a in enumerate(argv) if "_keeper" in a]
-        if at and at[0] + 1 < len(argv) and argv[at[0] + 1] in sessions:
-            found[int(entry)] = argv[at[0] + 1]
+        session = _protocol.session_of_command(argv)
+        if session in sessions:
+            found[int(entry)] = session
     return found
 
 
@@ -431,7 +451,7 @@ def driver(cfg):
     import multiprocessing as mp
 
     import torchshm  # noqa: F401
-    from torchshm import _session
+    from torchshm._lifetime import session as _session
 
     _session.join()
     session = _session.session_id()

@@ -104,7 +104,7 @@ def value_bytes(a):
 def is_sparse(a):
     """A view the reducer compacts instead of copying with its gaps."""
     from torchshm import _C
-    from torchshm._sender import SPARSE_RATIO
+    from torchshm._send.sender import SPARSE_RATIO
 
     lo, hi = _C.testing.byte_extent(a)
     return hi - lo > SPARSE_RATIO * a.nbytes

@@ -28,7 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHSHM_TEST_WORKER" not in os.en
 import pytest  # noqa: E402
 
 import torchshm  # noqa: E402
-from torchshm import _doctor, _registry, _session  # noqa: E402
+from torchshm._lifetime import session as _session  # noqa: E402
+from torchshm._send import registry as _registry  # noqa: E402
+from torchshm._tools import doctor as _doctor  # noqa: E402
 
 START_METHODS = ("fork", "spawn", "forkserver")
 TIMEOUT = 60

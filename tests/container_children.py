@@ -12,7 +12,7 @@ import numpy as np
 import torch.utils.data
 
 import torchshm
-from torchshm import _doctor
+from torchshm._tools import doctor as _doctor
 
 TIMEOUT = 120
 

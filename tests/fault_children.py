@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import torchshm
-from torchshm import _C, _session
+from torchshm import _C
+from torchshm._lifetime import session as _session
 from tests import isolated
 
 TIMEOUT = 60
@@ -665,7 +666,9 @@ def keeper_restart():
     late.join(TIMEOUT)
     # Long enough for a keeper that wrongly ended the session to close what
     # the live sender wrote meanwhile.
-    time.sleep(3 * _keeper_module().GRACE_SECONDS)
+    from torchshm._lifetime.keeper import daemon
+
+    time.sleep(3 * daemon.GRACE_SECONDS)
     got, bad, errors = [], 0, []
     for _ in range(RESTART_MESSAGES):
         try:
@@ -689,12 +692,6 @@ def keeper_restart():
         "sender_exitcode": sender.exitcode,
         "keepers_after": len(keepers),
     }
-
-
-def _keeper_module():
-    from torchshm import _keeper
-
-    return _keeper
 
 
 SCENARIOS = {

@@ -3,7 +3,7 @@
 A driver is `python -m tests.fault_children SCENARIO ...` started without
 TORCHSHM_SESSION, so it founds a fresh session: every segment it or its
 descendants create is held by that session's keeper, the one
-`_keeper.py <session>` process. The driver prints `session <id>` first, then
+`daemon.py <session>` process (the keeper). The driver prints `session <id>` first, then
 one JSON object per line. It runs in a new process session (setsid), so its
 descendants are found by session id even after they are orphaned.
 """
@@ -20,7 +20,9 @@ import sys
 import tempfile
 import time
 
-from torchshm import _memory, _session
+from torchshm import _memory
+from torchshm._lifetime import session as _session
+from torchshm._lifetime.keeper import protocol as _protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM_DIR = "/dev/shm"
@@ -139,12 +141,9 @@ def _cmdline(pid):
 
 
 def keeper_session(argv):
-    """The session a keeper's command line names (`_keeper.py SESSION ...`),
-    or None if it is not a keeper's."""
-    for i, arg in enumerate(argv[:-1]):
-        if arg.endswith(b"_keeper.py"):
-            return argv[i + 1].decode()
-    return None
+    """The session a keeper's command line (bytes) names, or None if it is
+    not a keeper's."""
+    return _protocol.session_of_command([a.decode(errors="replace") for a in argv])
 
 
 def session_processes(sid, session=None):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 import torchshm
-from torchshm import _session
+from torchshm._lifetime import session as _session
 
 
 def table(nbytes, seed=7):

@@ -3,7 +3,8 @@ forkserver)."""
 
 
 import torchshm
-from torchshm import _C, _segments
+from torchshm import _C
+from torchshm._lifetime import segments as _segments
 
 
 def mapping_of(array):
@@ -76,7 +77,8 @@ def cache_while_held(inbox, outbox):
     is dropped."""
     import gc
 
-    from torchshm import _holdings, _mappings
+    from torchshm._lifetime import holdings as _holdings
+    from torchshm._lifetime import mappings as _mappings
 
     array = inbox.get()
     name = segment_of(array)

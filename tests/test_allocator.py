@@ -16,7 +16,8 @@ import torchshm
 from tests import allocator_children, fault_children, isolated
 from tests.allocator_children import MIN_BYTES
 from tests.conftest import TIMEOUT, bounded, stats_delta
-from torchshm import _C, _segments
+from torchshm import _C
+from torchshm._lifetime import segments as _segments
 from torchshm._compat import numpy_handler_name
 
 N = 100_000  # float64: 800 KB, well above MIN_BYTES
@@ -92,8 +93,8 @@ def test_the_handler_is_restored_on_exit_and_on_error():
     with pytest.raises(KeyError):
         with torchshm.allocating(min_bytes=MIN_BYTES):
             with torchshm.allocating(min_bytes=MIN_BYTES):
-                assert torchshm._allocator.allocator_enabled()
-            assert torchshm._allocator.allocator_enabled()
+                assert torchshm._send.allocator.allocator_enabled()
+            assert torchshm._send.allocator.allocator_enabled()
             raise KeyError
     assert numpy_handler_name() == "default_allocator"
     torchshm.set_allocator(True, min_bytes=MIN_BYTES)

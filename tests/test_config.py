@@ -57,7 +57,7 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
 
         ForkingPickler.register(np.ndarray, foreign)
         import torchshm
-        from torchshm import _sender
+        from torchshm._send import sender as _sender
 
         table = ForkingPickler._extra_reducers
         out = {"took_over": table[np.ndarray] is _sender.REDUCER}

@@ -20,7 +20,7 @@ import pytest
 
 from tests import isolated
 from tests.conftest import TIMEOUT
-from torchshm import _keeper
+from torchshm._lifetime.keeper import paths as _paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER_UID = 65534  # nobody
@@ -31,7 +31,9 @@ import json, os, signal, socket, subprocess, sys, time
 from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import torchshm
-from torchshm import _C, _session, _keeper
+from torchshm import _C
+from torchshm._lifetime import session as _session
+from torchshm._lifetime.keeper import paths as _paths
 
 def report(**fields):
     print(json.dumps(fields), flush=True)
@@ -357,7 +359,7 @@ def test_a_stopped_keeper_stalls_nothing_for_ever():
 SWAMPED_KEEPER = """
 # A client of this user sends requests and never reads the replies: the
 # keeper drops it instead of waiting; other processes go on.
-path = _keeper.socket_path(_session.session_id())
+path = _paths.socket_path(_session.session_id())
 rude = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 rude.connect(path)
 rude.setblocking(False)
@@ -391,7 +393,7 @@ KEEPER_FD_LIMIT = """
 # The keeper at its fd limit: a new process gets "busy" and starts with
 # torchshm off, instead of waiting for ever.
 keeper = _session.keeper_pid()
-path = _keeper.socket_path(_session.session_id())
+path = _paths.socket_path(_session.session_id())
 open_now = len(os.listdir(f"/proc/{keeper}/fd"))
 limit = open_now + 8
 subprocess.run(["prlimit", f"--pid={keeper}", f"--nofile={limit}:{limit}"],
@@ -425,7 +427,7 @@ def test_a_keeper_at_its_fd_limit_answers_busy():
 
 FDS_CARRIED = """
 keeper = _session.keeper_pid()
-path = _keeper.socket_path(_session.session_id())
+path = _paths.socket_path(_session.session_id())
 def count():
     time.sleep(0.3)
     return len(os.listdir(f"/proc/{keeper}/fd"))
@@ -495,12 +497,12 @@ def test_a_stale_locator_never_touches_another_file(tmp_path):
 
 
 def test_no_other_user_can_create_a_name_in_the_run_directory():
-    directory = _keeper.run_dir()
+    directory = _paths.run_dir()
     st = os.lstat(directory)
     assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
-    assert os.path.dirname(_keeper.socket_path("abc")) == directory
-    assert os.path.dirname(_keeper.session_lock_path("abc")) == directory
-    assert os.path.dirname(_keeper.process_lock_path(5)) == directory
+    assert os.path.dirname(_paths.socket_path("abc")) == directory
+    assert os.path.dirname(_paths.session_lock_path("abc")) == directory
+    assert os.path.dirname(_paths.process_lock_path(5)) == directory
 
 
 needs_namespace = pytest.mark.skipif(
@@ -528,7 +530,7 @@ PLANTED_RUN_DIR = """
 # they find one keeper.
 import multiprocessing as mp
 def member(out):
-    out.put((_keeper.run_dir(), _session.session_id(), _session.keeper_pid()))
+    out.put((_paths.run_dir(), _session.session_id(), _session.keeper_pid()))
 if __name__ == "__main__":
     results = []
     for method in ("fork", "spawn", "forkserver"):
@@ -540,7 +542,7 @@ if __name__ == "__main__":
         p.join(30)
     a = np.arange(1 << 16)
     back = ForkingPickler.loads(ForkingPickler.dumps(a))
-    report(here=[_keeper.run_dir(), _session.session_id(), _session.keeper_pid()],
+    report(here=[_paths.run_dir(), _session.session_id(), _session.keeper_pid()],
            members=results, shared=bool(np.shares_memory(a, back) or
                                          torchshm.is_shared(back)))
 """

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.test_handles import ROOT, child_env, wait_gone
-from torchshm import _doctor
+from torchshm._tools import doctor as _doctor
 
 # Three ranks: the owner (killed) and two survivors still sharing one copy.
 # The table is big enough to dwarf the pool's own chunks in the PSS sums.

@@ -6,7 +6,7 @@ deadlocks in the child" when a process forks with more than one OS thread
 are the ones that split a large copy into shared memory (csrc/ndarray.cpp)
 or populate a fresh segment (csrc/segment.cpp), joined before the send
 returns, and the expiry timer that gives idle memory back
-(torchshm/_expiry.py), which torchshm's own before-fork hook stops and the
+(torchshm/_lifetime/expiry.py), which torchshm's own before-fork hook stops and the
 next send or receive restarts (not the after-fork hook: Python 3.13 counts
 threads after those hooks). A joined thread is still listed for a moment
 (pthread_join and Thread.join return before the task leaves the thread
@@ -133,7 +133,8 @@ BOUND = textwrap.dedent(
     """
     import json, numpy as np, torchshm
     from multiprocessing.reduction import ForkingPickler
-    from torchshm import _C, _expiry
+    from torchshm import _C
+    from torchshm._lifetime import expiry as _expiry
 
     received = ForkingPickler.loads(ForkingPickler.dumps(np.arange(100_000)))
     # The expiry timer runs (there is a pooled segment to watch): a wait for

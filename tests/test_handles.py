@@ -16,7 +16,8 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT
-from torchshm import _handles, _session
+from torchshm import _handles
+from torchshm._lifetime import session as _session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NBYTES = 16 << 20

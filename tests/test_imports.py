@@ -1,35 +1,52 @@
-"""The import graph of torchshm/ has no cycle, counting imports inside
-functions too: a cycle that only a lazy import hides still ties two modules
-into one (issue 23)."""
+"""The import graph of torchshm/: no cycle, counting imports inside
+functions too (a cycle that only a lazy import hides still ties two modules
+into one, issue 23), and the wings' rule (which module may import which)."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "torchshm"
 
 
-def imported_modules(path):
-    """Names of torchshm's own modules that `path` imports, anywhere in it."""
+def module_name(path):
+    """torchshm.x.y for torchshm/x/y.py; a package's __init__.py is the
+    package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules():
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path, known):
+    """torchshm's own modules that `path` imports, anywhere in it: `from
+    torchshm._send import sender` imports the module torchshm._send.sender."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "torchshm":  # from torchshm import _a, _b
-                found.update(f"torchshm.{alias.name}" for alias in node.names)
-            elif node.module.startswith("torchshm."):
-                found.add(node.module)
+            if node.module == "torchshm" or node.module.startswith("torchshm."):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in known else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("torchshm."))
     return found
 
 
 def import_graph():
-    modules = {
-        f"torchshm.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"
-    }
+    modules = all_modules()
     # The package itself re-exports everything; edges into it are not design.
     return {
-        name: sorted(m for m in imported_modules(path) if m in modules and m != name)
+        name: sorted(
+            m
+            for m in imported_modules(path, modules)
+            if m in modules and m not in (name, "torchshm")
+        )
         for name, path in modules.items()
+        if name != "torchshm"
     }
 
 
@@ -69,30 +86,126 @@ def native_importers():
     """Modules of torchshm/ that import the native extension itself (not
     through the seam, torchshm._native)."""
     found = set()
-    for path in PACKAGE.glob("*.py"):
+    for name, path in all_modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "torchshm":
                 if any(alias.name == "_C" for alias in node.names):
-                    found.add(path.stem)
+                    found.add(name)
             elif isinstance(node, ast.ImportFrom) and node.module == "torchshm._C":
-                found.add(path.stem)
+                found.add(name)
             elif isinstance(node, ast.Import):
                 if any(a.name == "torchshm._C" for a in node.names):
-                    found.add(path.stem)
+                    found.add(name)
     return found
 
 
 def test_exactly_one_module_imports_the_native_extension():
     # Note [The seam] in torchshm/_native.py.
-    assert native_importers() == {"_native"}
+    assert native_importers() == {"torchshm._native"}
 
 
-def test_the_native_stub_is_generated_from_the_native_module():
-    import subprocess
+# The wings' rule. The top level holds what users and pickles name and the
+# base every wing uses; the engine lives in wings. Rooms stand in layers, and
+# a module imports only its own room, the base, and the rooms below its own:
+#   keeper    the keeper's facts (paths, layout, protocol), standard
+#             library only: anyone may read them; its daemon is a program of
+#             its own, which nobody imports
+#   base      the seam, compat, config, stats, fallback, memory, version
+#   lifetime  _lifetime/: sessions, segments, pools, attach, expiry, fork
+#   wire      the rebuilds every message names (_reduction, _strings)
+#   send      _send/: the reducers, their registration, the writers
+#   features  what users make and pickles name (SharedList, handles, the
+#             DataLoader helpers, SharedDict's keys): they never move
+#   tools     _tools/: the report and the doctor
+#   face      the package's public modules and share()
+LAYERS = ["keeper", "base", "lifetime", "wire", "send", "features", "tools", "face"]
+ROOMS = {
+    "base": {
+        "torchshm._native",
+        "torchshm._compat",
+        "torchshm._config",
+        "torchshm._stats",
+        "torchshm._fallback",
+        "torchshm._memory",
+        "torchshm._version",
+    },
+    "wire": {"torchshm._reduction", "torchshm._strings"},
+    "features": {
+        "torchshm._containers",
+        "torchshm._handles",
+        "torchshm._dataloader",
+        "torchshm._keys",
+    },
+    "face": {
+        "torchshm.__main__",
+        "torchshm.distributed",
+        "torchshm.torchdata",
+        "torchshm._share",
+    },
+}
+KEEPER_FACTS = {
+    "torchshm._lifetime.keeper.paths",
+    "torchshm._lifetime.keeper.layout",
+    "torchshm._lifetime.keeper.protocol",
+}
+
+
+def room(module):
+    """The room a module stands in."""
+    for name, modules in ROOMS.items():
+        if module in modules:
+            return name
+    if module.startswith("torchshm._lifetime.keeper"):
+        return "keeper"
+    parts = module.split(".")
+    assert len(parts) >= 2 and parts[1].startswith("_"), module
+    return parts[1][1:]  # torchshm._send.sender -> send
+
+
+def test_every_module_stands_in_a_room_the_rule_knows():
+    for module in all_modules():
+        if module != "torchshm":
+            assert room(module) in LAYERS, module
+
+
+def test_the_wings_rule_holds():
+    broken = []
+    for module, imports in import_graph().items():
+        mine = room(module)
+        for target in imports:
+            theirs = room(target)
+            if theirs == "keeper" and mine != "keeper" and target not in KEEPER_FACTS:
+                broken.append(f"{module} -> {target}: the daemon")
+            elif mine == "keeper" and theirs != "keeper":
+                broken.append(f"{module} -> {target}: the keeper is stdlib only")
+            elif LAYERS.index(theirs) > LAYERS.index(mine):
+                broken.append(f"{module} ({mine}) -> {target} ({theirs}): upward")
+    assert not broken, broken
+
+
+KEEPER = PACKAGE / "_lifetime" / "keeper"
+KEEPER_FILES = sorted(p.stem for p in KEEPER.glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("stem", KEEPER_FILES)
+def test_the_keeper_imports_only_the_standard_library(stem):
+    # It runs as `python -I -S daemon.py`: its siblings are its own modules.
     import sys
 
-    script = PACKAGE.parent / "scripts" / "stubgen.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--check"], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+    path = KEEPER / f"{stem}.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if name.startswith("torchshm."):
+                assert name.startswith("torchshm._lifetime.keeper"), (stem, name)
+            else:
+                assert top in sys.stdlib_module_names or top in KEEPER_FILES, (
+                    stem,
+                    name,
+                )

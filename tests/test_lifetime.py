@@ -25,7 +25,14 @@ import torch
 import torchshm
 from tests import lifetime_children
 from tests.conftest import TIMEOUT
-from torchshm import _C, _fallback, _holdings, _keeper, _mappings, _session
+from torchshm import _C, _fallback
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime.keeper import daemon as _daemon
+from torchshm._lifetime.keeper import layout as _layout
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import session as _session
 from tests.conftest import keeper_segments, memfd_holders, session_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,7 +278,7 @@ def test_another_network_namespace_shares_the_session_or_leaves_it_alone(
     # inherited, or founds its own.
     other = _import_torchshm_in(["unshare", "-n"], env)
     assert (other == _session.session_id()) == inherit_session
-    time.sleep(_keeper.GRACE_SECONDS + 1.5)  # its exit was seen, its keeper left
+    time.sleep(_daemon.GRACE_SECONDS + 1.5)  # its exit was seen, its keeper left
     assert name in session_segments()
     again = pickle.loads(dumps(held))
     assert (again == 5.0).all()
@@ -281,7 +288,7 @@ def _memfd(nbytes, seals):
     fd = os.memfd_create("not-torchshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
     if seals:
-        fcntl.fcntl(fd, _keeper.F_ADD_SEALS, seals)
+        fcntl.fcntl(fd, _layout.F_ADD_SEALS, seals)
     return fd
 
 
@@ -298,7 +305,7 @@ def test_attach_refuses_what_is_not_a_sealed_segment_of_this_user():
         os.close(fd)
     # Sealed, but not a segment; and a segment, but another one.
     fd = _memfd(
-        _C.LAYOUT["HEADER_BYTES"] + 4096, _keeper.F_SEAL_SHRINK | _keeper.F_SEAL_GROW
+        _C.LAYOUT["HEADER_BYTES"] + 4096, _layout.F_SEAL_SHRINK | _layout.F_SEAL_GROW
     )
     try:
         with pytest.raises(OSError) as raised:
@@ -353,8 +360,8 @@ def test_attach_refuses_another_users_memfd():
 def test_sweeping_never_touches_another_users_files():
     # A dead process's lock and a dead session's socket that belong to
     # someone else, under names torchshm would sweep.
-    lock = _keeper.process_lock_path(int("1" * 16, 16))
-    sock_path = _keeper.socket_path("deadbeef0000")
+    lock = _paths.process_lock_path(int("1" * 16, 16))
+    sock_path = _paths.socket_path("deadbeef0000")
     with open(lock, "wb"):
         pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -363,7 +370,7 @@ def test_sweeping_never_touches_another_users_files():
     for path in (lock, sock_path):
         os.chown(path, 65534, 65534, follow_symlinks=False)
     try:
-        _keeper.sweep_orphans(_session.session_id())
+        _paths.sweep_orphans(_session.session_id())
         assert os.path.exists(lock) and os.path.exists(sock_path)
     finally:
         os.unlink(lock)
@@ -392,7 +399,7 @@ def test_the_keeper_refuses_other_users():
             "-S",
             "-c",
             code,
-            _keeper.socket_path(_session.session_id()),
+            _paths.socket_path(_session.session_id()),
         ],
         capture_output=True,
         text=True,
@@ -407,8 +414,8 @@ def test_the_keeper_survives_running_out_of_fds():
     session = "f100d" + os.urandom(4).hex()
     keeper = (
         subprocess.Popen(
-            ["prlimit", "--nofile=24:24", sys.executable, "-I", "-S", _keeper.__file__]
-            + [session, _keeper.run_dir(), "600"],
+            ["prlimit", "--nofile=24:24", sys.executable, "-I", "-S", _protocol.DAEMON]
+            + [session, _paths.run_dir(), "600"],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -418,7 +425,7 @@ def test_the_keeper_survives_running_out_of_fds():
     )
     if keeper is None:
         pytest.skip("prlimit (util-linux) is not installed")
-    path = _keeper.socket_path(session)
+    path = _paths.socket_path(session)
     try:
         assert keeper.stdout.read(1) == b"1"
         flood = []
@@ -440,7 +447,7 @@ def test_the_keeper_survives_running_out_of_fds():
         keeper.wait(TIMEOUT)
         assert keeper.returncode == 0
         assert not os.path.exists(path)
-        assert not os.path.exists(_keeper.session_lock_path(session))
+        assert not os.path.exists(_paths.session_lock_path(session))
     finally:
         if keeper.poll() is None:
             keeper.kill()
@@ -567,7 +574,7 @@ def test_a_message_written_before_its_segment_is_registered_still_dies():
         p.start()
         p.join(TIMEOUT)
         assert p.exitcode == 0
-        time.sleep(1.5 * _keeper.SCAN_SECONDS)  # a scan is due when it wakes
+        time.sleep(1.5 * _daemon.SCAN_SECONDS)  # a scan is due when it wakes
     finally:
         os.kill(keeper, signal.SIGCONT)
     reader.close()  # unread: its ticket dies with the pipe
@@ -590,7 +597,7 @@ def test_a_sender_killed_after_its_write_still_delivers(ctx):
         os.kill(p.pid, signal.SIGKILL)
         p.join(TIMEOUT)
         # Past the keeper's verdicts (two scans a second apart, and one more).
-        time.sleep(4 * _keeper.SCAN_SECONDS)
+        time.sleep(4 * _daemon.SCAN_SECONDS)
         received = reader.recv()
         assert torchshm.is_shared(received) and (received == 2.0).all()
     finally:
@@ -711,7 +718,7 @@ def test_crafted_views_fail_cleanly(offset, shape, strides):
 def test_the_file_system_branch_stays_inside_the_guard(monkeypatch):
     import torch.multiprocessing as tmp
 
-    from torchshm import _sender
+    from torchshm._send import sender as _sender
 
     old = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
@@ -772,7 +779,7 @@ def test_an_unread_message_lives_while_its_pipe_is_open(ctx):
     assert p.exitcode == 0
     # The sender is gone; the keeper looks every second and would kill a
     # ticket whose pipe had closed. This one stays open here.
-    time.sleep(3 * _keeper.SCAN_SECONDS)
+    time.sleep(3 * _daemon.SCAN_SECONDS)
     received = queue.get(timeout=TIMEOUT)
     assert (received == 6.0).all() and torchshm.is_shared(received)
 

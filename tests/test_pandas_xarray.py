@@ -267,11 +267,12 @@ def test_pyarrow_is_not_imported_and_its_buffers_register_at_its_import():
         before = "pyarrow" in sys.modules
         import pyarrow
         reducer = ForkingPickler._extra_reducers.get(pyarrow.Buffer)
-        watching = [f for f in sys.meta_path if type(f).__module__ == "torchshm._arrow"]
+        watching = [f for f in sys.meta_path
+                    if type(f).__module__ == "torchshm._send.arrow"]
         torchshm.unregister()
         gone = pyarrow.Buffer not in ForkingPickler._extra_reducers
         torchshm.register()
-        print(json.dumps([before, reducer is torchshm._arrow.reduce_buffer,
+        print(json.dumps([before, reducer is torchshm._send.arrow.reduce_buffer,
                           len(watching), gone,
                           pyarrow.Buffer in ForkingPickler._extra_reducers]))
         """

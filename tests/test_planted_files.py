@@ -1,6 +1,6 @@
 """What another local user can plant in /dev/shm (a world-writable
 directory) does no harm. torchshm's names live in the user's own directory
-there (_keeper.run_dir: tests/test_corners.py plants over its names); the
+there (_paths.run_dir: tests/test_corners.py plants over its names); the
 files below are planted inside it as root would, to check the second line of
 defence: no file of another user is opened through a link or truncated, no
 planted name makes the dead look alive or keeps a keeper running, the pool
@@ -23,7 +23,10 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT, segment_mappings, session_segments
-from torchshm import _C, _keeper, _session
+from torchshm import _C
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._lifetime import session as _session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER_UID = 65534  # nobody
@@ -73,7 +76,7 @@ def test_a_link_under_the_session_lock_name_truncates_nothing(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     session = "ab" + os.urandom(5).hex()
-    lock = _keeper.session_lock_path(session)
+    lock = _paths.session_lock_path(session)
     plant_link(lock, str(victim))
     try:
         env = dict(os.environ, TORCHSHM_SESSION=session)
@@ -109,7 +112,7 @@ def test_a_planted_lock_never_makes_a_dead_holder_alive(tmp_path, kind):
     os.close(r)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    lock = _keeper.process_lock_path(dead)
+    lock = _paths.process_lock_path(dead)
     remove(lock)  # swept, as a keeper does with a dead process's lock
     if kind == "link":
         target = tmp_path / "held-by-someone"
@@ -126,7 +129,7 @@ def test_a_planted_lock_never_makes_a_dead_holder_alive(tmp_path, kind):
         ask.start()
         ask.join(TIMEOUT)  # a FIFO must not block the question
         assert answer == [False]
-        assert not _keeper.process_alive(dead)
+        assert not _paths.process_alive(dead)
         # Only this process and the pool hold the segment now.
         del received
         assert not segment.has_live_holder(0)
@@ -137,13 +140,13 @@ def test_a_planted_lock_never_makes_a_dead_holder_alive(tmp_path, kind):
 def test_planted_locks_naming_a_session_do_not_keep_its_keeper_alive():
     session = "cd" + os.urandom(5).hex()
     keeper = subprocess.Popen(
-        [sys.executable, "-I", "-S", _keeper.__file__, session, _keeper.run_dir()]
+        [sys.executable, "-I", "-S", _protocol.DAEMON, session, _paths.run_dir()]
         + ["600"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    planted = _keeper.process_lock_path(int.from_bytes(os.urandom(7), "big"))
+    planted = _paths.process_lock_path(int.from_bytes(os.urandom(7), "big"))
     try:
         assert keeper.stdout.read(1) == b"1"
         # A foreign "lock" claiming the session, held by someone.
@@ -153,7 +156,7 @@ def test_planted_locks_naming_a_session_do_not_keep_its_keeper_alive():
 
         fcntl.flock(holder, fcntl.LOCK_SH)
         member = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        member.connect(_keeper.socket_path(session))
+        member.connect(_paths.socket_path(session))
         member.send(b"j 1")
         time.sleep(0.3)
         member.close()  # the session's only member leaves
@@ -172,7 +175,7 @@ def test_planted_locks_naming_a_session_do_not_keep_its_keeper_alive():
 
 def test_the_pool_budget_cannot_be_disabled_by_a_planted_file():
     session = _session.session_id()
-    old_name = os.path.join(_keeper.SHM_DIR, f"torchshm-budget-{session}.shm")
+    old_name = os.path.join(_paths.SHM_DIR, f"torchshm-budget-{session}.shm")
     plant_file(old_name)
     try:
         table = _session.table()
@@ -188,11 +191,11 @@ def test_the_pool_budget_cannot_be_disabled_by_a_planted_file():
 
 
 def test_nothing_of_a_segment_is_in_dev_shm_so_no_name_can_be_preempted():
-    before = set(os.listdir(_keeper.SHM_DIR))
+    before = set(os.listdir(_paths.SHM_DIR))
     # Names of the kind earlier versions made, planted by someone else.
     session = _session.session_id()
     planted = [
-        os.path.join(_keeper.SHM_DIR, f"torchshm_{session}_{'0' * 16}_{n}")
+        os.path.join(_paths.SHM_DIR, f"torchshm_{session}_{'0' * 16}_{n}")
         for n in range(4)
     ]
     for path in planted:
@@ -203,7 +206,7 @@ def test_nothing_of_a_segment_is_in_dev_shm_so_no_name_can_be_preempted():
         assert torchshm.is_shared(received)
         np.testing.assert_array_equal(received, a)
         new = (
-            set(os.listdir(_keeper.SHM_DIR))
+            set(os.listdir(_paths.SHM_DIR))
             - before
             - {os.path.basename(p) for p in planted}
         )

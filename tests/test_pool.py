@@ -11,7 +11,10 @@ import pytest
 
 import torchshm
 from tests.conftest import stats_delta, true_in_forked_child
-from torchshm import _C, _holdings, _pool, _segments
+from torchshm import _C
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime import pool as _pool
+from torchshm._lifetime import segments as _segments
 
 KIB = 1 << 10
 

@@ -10,7 +10,7 @@ import pytest
 import torchshm
 from tests import children
 from tests.conftest import TIMEOUT, session_segments
-from torchshm import _holdings
+from torchshm._lifetime import holdings as _holdings
 
 
 def roundtrip(obj):

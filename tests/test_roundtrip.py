@@ -230,7 +230,8 @@ def test_which_failures_mean_fall_back_is_decided_by_errno():
 
 
 def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
-    from torchshm import _fallback, _segments
+    from torchshm import _fallback
+    from torchshm._lifetime import segments as _segments
 
     def broken(nbytes, **_):
         raise RuntimeError("No space left on device")  # text must not matter

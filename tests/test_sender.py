@@ -13,7 +13,9 @@ import pytest
 
 import torchshm
 from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
-from torchshm import _segments, _C, _fallback, _reduction, _sender
+from torchshm import _C, _fallback, _reduction
+from torchshm._lifetime import segments as _segments
+from torchshm._send import sender as _sender
 
 SMALL = [
     np.arange(10),
@@ -204,7 +206,7 @@ def test_the_plan_answers_where_memory_lives():
 
 
 def test_a_reducer_failure_inside_the_plan_still_delivers(monkeypatch):
-    from torchshm import _segments
+    from torchshm._lifetime import segments as _segments
 
     def wrong(nbytes, **_):
         return np.zeros(nbytes, np.uint8)  # not a tensor: a torchshm bug

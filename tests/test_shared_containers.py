@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import torchshm
-from torchshm import _containers, _doctor
+from torchshm import _containers
+from torchshm._tools import doctor as _doctor
 from torchshm._containers import _C
 from tests import container_children as cc
 

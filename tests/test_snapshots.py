@@ -12,7 +12,7 @@ import pytest
 import torchshm
 from tests import snapshot_children as kids
 from tests.conftest import stats_delta
-from torchshm import _sender
+from torchshm._send import sender as _sender
 
 # A copy with a segment of its own: the sizes resends are remembered for.
 BIG = _sender.PACK_LIMIT // 8 + 4096

@@ -10,31 +10,35 @@ registering.
 import torch  # noqa: F401  - loads libtorch before the extension
 
 from torchshm._native import _C  # noqa: F401  - the seam (Note [The seam])
-from torchshm import _allocator, _channel, _config, _native  # noqa: E402
-from torchshm import _holdings, _lifecycle, _reduction, _sender  # noqa: E402
-from torchshm import _session  # noqa: E402
-from torchshm._allocator import allocating, set_allocator  # noqa: E402
-from torchshm._config import get_threshold, set_threshold  # noqa: E402
-from torchshm._dataloader import (  # noqa: E402
+from torchshm import _config, _native, _reduction
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime import lifecycle as _lifecycle
+from torchshm._lifetime import session as _session
+from torchshm._send import allocator as _allocator
+from torchshm._send import channel as _channel
+from torchshm._send import sender as _sender
+from torchshm._send.allocator import allocating, set_allocator
+from torchshm._config import get_threshold, set_threshold
+from torchshm._dataloader import (
     chain,
     collate,
     convert,
     worker_init_fn,
 )
-from torchshm._containers import SharedDict, SharedList  # noqa: E402
-from torchshm._handles import HandleError, dumps, loads, release  # noqa: E402
-from torchshm._sender import is_shared  # noqa: E402
-from torchshm._registry import (  # noqa: E402
+from torchshm._containers import SharedDict, SharedList
+from torchshm._handles import HandleError, dumps, loads, release
+from torchshm._send.sender import is_shared
+from torchshm._send.registry import (
     disabled,
     is_registered,
     register,
     unregister,
 )
-from torchshm._share import share  # noqa: E402
-from torchshm._segments import trim  # noqa: E402
-from torchshm._stats import reset_stats, stats  # noqa: E402
-from torchshm import torchdata  # noqa: E402
-from torchshm._version import __version__  # noqa: E402, F401
+from torchshm._share import share
+from torchshm._lifetime.segments import trim
+from torchshm._stats import reset_stats, stats
+from torchshm import torchdata
+from torchshm._version import __version__  # noqa: F401
 
 __all__ = [
     "allocating",

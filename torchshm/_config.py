@@ -19,7 +19,8 @@ import threading
 import warnings
 from typing import Union
 
-from torchshm import _keeper
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime.keeper import protocol as _protocol
 
 DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_POOL_IDLE_SECONDS = 30.0
@@ -46,8 +47,8 @@ SIZE = (
 SECONDS = "a non-negative number of seconds, e.g. 30 or 0.5"
 BOOLEAN = "one of 1, 0, true, false, yes, no (any case)"
 SESSION = (
-    "1 to 64 letters, digits, _ or - (torchshm sets it for the processes of a"
-    " session; unset it to start a new session)"
+    f"{_paths.SESSION_RULE} (torchshm sets it for the processes of a session;"
+    " unset it to start a new session)"
 )
 
 
@@ -74,8 +75,8 @@ def parse_boolean(text):
 
 
 def parse_session(text):
-    # The keeper's rule: a session id is part of file names (_keeper.py).
-    if not _keeper.valid_session(text):
+    # The keeper's rule: a session id is part of file names (keeper/paths.py).
+    if not _paths.valid_session(text):
         raise ValueError(f"expected {SESSION}; got {text!r}")
     return text
 
@@ -231,5 +232,5 @@ def session_linger():
     """How long a session with no member left stays while its messages may
     still be read (TORCHSHM_SESSION_LINGER; Note [Segment lifetime])."""
     return _env_setting_at_use(
-        "TORCHSHM_SESSION_LINGER", _keeper.DEFAULT_LINGER_SECONDS
+        "TORCHSHM_SESSION_LINGER", _protocol.DEFAULT_LINGER_SECONDS
     )

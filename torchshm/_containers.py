@@ -73,7 +73,8 @@ from typing import Any, Iterable, Iterator, Tuple
 import numpy as np
 import torch
 
-from torchshm import _config, _keys, _registry
+from torchshm import _config, _keys
+from torchshm._send import registry as _registry
 from torchshm._native import _C
 
 _crc32 = zlib.crc32

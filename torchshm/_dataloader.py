@@ -25,7 +25,10 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 from torch.utils.data import IterDataPipe
 
-from torchshm import _allocator, _config, _fallback, _registry, _segments
+from torchshm import _config, _fallback
+from torchshm._send import allocator as _allocator
+from torchshm._send import registry as _registry
+from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
 
 T = TypeVar("T")

@@ -37,7 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from torchshm import _attach, _reduction, _registry, _segments, _sender, _session
+from torchshm import _reduction
+from torchshm._lifetime import attach as _attach
+from torchshm._send import registry as _registry
+from torchshm._lifetime import segments as _segments
+from torchshm._send import sender as _sender
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 FORMAT = 1

@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from torchshm import _attach
+from torchshm._lifetime import attach as _attach
 from torchshm._compat import int8_tensor_over
 from torchshm._native import _C
 

@@ -6,7 +6,8 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
-from torchshm import _containers, _registry
+from torchshm import _containers
+from torchshm._send import registry as _registry
 
 T = TypeVar("T")
 

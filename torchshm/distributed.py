@@ -20,7 +20,8 @@ anyway makes a copy of its own, with one warning.
 import os
 from typing import Any, Callable, Optional
 
-from torchshm import _fallback, _handles, _share
+from torchshm import _fallback, _handles
+from torchshm import _share
 
 __all__ = ["node_key", "share_on_node"]
 

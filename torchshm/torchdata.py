@@ -35,7 +35,9 @@ allocate=True)` turns it on in the thread that maps.
 import warnings
 from typing import Any, Optional, TypeVar
 
-from torchshm import _allocator, _registry, _share
+from torchshm._send import allocator as _allocator
+from torchshm._send import registry as _registry
+from torchshm import _share
 from torchshm._dataloader import _register_in_worker
 
 T = TypeVar("T")

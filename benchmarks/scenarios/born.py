@@ -35,7 +35,7 @@ from benchmarks.transports import (
     setup_sender,
     touch,
 )
-from torchshm import _segments
+from torchshm._lifetime import segments as _segments
 
 NAME = "born"
 METHODS = ("pipe", "torch", "torchshm", "torchshm_born")

@@ -2,7 +2,7 @@
 
 The strings as pandas' default `str` (pandas 3: Arrow-backed when pyarrow
 is installed, whose buffers torchshm sends as arrays: Note [Arrow buffers]
-in torchshm/_arrow.py; before pandas 3, object) and as object dtype (packed
+in torchshm/_send/arrow.py; before pandas 3, object) and as object dtype (packed
 by torchshm when mostly distinct: Note [String columns]). Besides the time
 per frame, the receiver's PSS while it holds the frame, over its PSS before
 the first send, without file-backed pages (its shared pages are split with

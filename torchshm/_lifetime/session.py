@@ -1,11 +1,11 @@
 """Session membership: every process that may hold torchshm memory, and its
-line to the session's keeper (_keeper.py, Note [Segment lifetime] in
+line to the session's keeper (keeper/daemon.py, Note [Segment lifetime] in
 csrc/segment.h).
 
 A session is the process tree of the first process that imported torchshm. Its
 id travels in the environment (spawn and forkserver children inherit it).
 Every member holds one connection to the keeper, through a socket in the
-user's run directory in /dev/shm (_keeper.run_dir) that any network namespace
+user's run directory in /dev/shm (keeper/paths.py) that any network namespace
 sharing this /dev/shm reaches; the keeper sees a member die when that
 connection closes. Forked children connect anew.
 
@@ -33,7 +33,10 @@ import sys
 import threading
 import time
 
-from torchshm import _config, _fds, _keeper
+from torchshm import _config
+from torchshm._lifetime import fds as _fds
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime.keeper import protocol as _protocol
 from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
@@ -60,7 +63,7 @@ def set_up():
     any lock is made); remembers why not if there is none."""
     global _no_run_dir
     try:
-        _C.set_lock_dir(_keeper.run_dir())
+        _C.set_lock_dir(_paths.run_dir())
     except OSError as exc:
         _no_run_dir = exc
 
@@ -109,7 +112,7 @@ def _join(session):
             raise _unavailable("its keeper did not start")
     _keeper_pid = _peer_pid(conn)
     try:
-        reply, fds = _request(conn, b"J " + f"{_C.process_id():x}".encode())
+        reply, fds = _request(conn, _protocol.join(_C.process_id()))
     except TimeoutError:
         conn.close()
         _silent_until = time.monotonic() + _config.keeper_timeout()
@@ -118,7 +121,7 @@ def _join(session):
         conn.close()
         raise _unavailable(f"its keeper is gone: {exc}") from None
     try:
-        if reply != b"T" or len(fds) != 1:
+        if reply != _protocol.TABLE or len(fds) != 1:
             raise _unavailable(f"its keeper answered {reply[:16]!r} (busy)")
         _table = _C.SessionTable.map(fds[0])
     except BaseException:
@@ -151,7 +154,7 @@ def leave():
         keeper_died = False
     conn.close()
     if keeper_died:
-        _keeper.sweep_orphans(None)
+        _paths.sweep_orphans(None)
 
 
 def keeper_pid(session=None):
@@ -169,7 +172,7 @@ def register(segment):
     connections). Rejoins a keeper that died, once. Raises SharedMemoryError
     if the keeper does not take it in time: then the segment must not be
     used (a message naming it would die with its sender)."""
-    message = f"R {segment.index} {segment.uid:x}".encode()
+    message = _protocol.register(segment.index, segment.uid)
     with _lock:
         try:
             socket.send_fds(_connection, [message], [segment.fd])
@@ -214,7 +217,7 @@ def rejoin():
             try:
                 socket.send_fds(
                     _connection,
-                    [f"R {index} {segment.uid:x}".encode()],
+                    [_protocol.register(index, segment.uid)],
                     [segment.fd],
                 )
             except TimeoutError:
@@ -262,7 +265,7 @@ def close_released():
         if _connection is None:
             return
         try:
-            _request(_connection, b"C")
+            _request(_connection, _protocol.request(_protocol.CLOSE_RELEASED))
         except TimeoutError:
             _drop_connection(timed_out=True)  # it closes them when it can
         except OSError:
@@ -274,7 +277,7 @@ def fetch(session, uid, index):
     caller closes it); raises SharedMemoryError(ENOENT) if the keeper has
     none. Remembers the table of another session, so that this process can
     flag that session's segments as its members do."""
-    message = f"F {index} {uid:x}".encode()
+    message = _protocol.fetch(index, uid)
     if session == session_id():
         with _lock:
             try:
@@ -297,7 +300,7 @@ def fetch(session, uid, index):
             conn.close()
     for fd in fds[1:]:
         os.close(fd)
-    if reply != b"f 0" or not fds:
+    if reply != _protocol.FOUND or not fds:
         raise _gone(session, uid, "its keeper does not hold it any more")
     return fds[0]
 
@@ -317,7 +320,7 @@ def status(session=None):
     if conn is None:
         return None
     try:
-        _, fds = _request(conn, b"S")
+        _, fds = _request(conn, _protocol.request(_protocol.STATUS))
     finally:
         conn.close()
     (fd,) = fds
@@ -368,7 +371,7 @@ def _connect(session):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.settimeout(_config.keeper_timeout())  # every request's deadline
     try:
-        conn.connect(_keeper.socket_path(session))
+        conn.connect(_paths.socket_path(session))
         if _peer_uid(conn) == os.geteuid():
             return conn
     except OSError:
@@ -406,8 +409,7 @@ def _start_keeper(session):
     # the keeper before it sweeps.
     linger = _config.session_linger()
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", _keeper.__file__, session]
-        + [_keeper.run_dir(), repr(linger)],
+        _protocol.command(sys.executable, session, _paths.run_dir(), linger),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -439,7 +441,7 @@ def after_fork_in_child():
     if conn is None:
         return  # the keeper is gone: the first request rejoins
     try:
-        conn.send(b"j " + f"{_C.process_id():x}".encode())
+        conn.send(_protocol.join(_C.process_id(), table_wanted=False))
     except OSError:
         conn.close()
         return

@@ -10,7 +10,10 @@ from typing import Iterator
 
 import numpy as np
 
-from torchshm import _arrow, _config, _fallback, _sender, _session
+from torchshm import _config, _fallback
+from torchshm._send import arrow as _arrow
+from torchshm._send import sender as _sender
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 TYPES = (np.ndarray,) + _sender.SUBCLASSES

@@ -8,7 +8,7 @@ copy of it.
 
 import threading
 
-from torchshm import _pool
+from torchshm._lifetime import pool as _pool
 from torchshm._native import _C
 
 # Guards the pool, the mapping cache (_mappings) and the bookkeeping around

@@ -11,16 +11,12 @@ _expiry.py, fork and exit in _lifecycle.py.
 
 import errno
 
-from torchshm import (
-    _config,
-    _expiry,
-    _fds,
-    _holdings,
-    _mappings,
-    _memory,
-    _session,
-    _stats,
-)
+from torchshm import _config, _memory, _stats
+from torchshm._lifetime import expiry as _expiry
+from torchshm._lifetime import fds as _fds
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 # A segment is never larger than this (a size class of anything larger

@@ -13,7 +13,8 @@ from typing import Iterator, Optional
 
 from torch.utils.data import IterDataPipe
 
-from torchshm import _config, _fallback, _segments, _stats
+from torchshm import _config, _fallback, _stats
+from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _fallback, _segments, _stats, _strings
+from torchshm import _config, _fallback, _stats, _strings
+from torchshm._lifetime import segments as _segments
 from torchshm._compat import untyped_storage
 from torchshm._native import _C
 from torchshm._reduction import rebuild_empty, rebuild_ndarray_from_reduced_storage

@@ -5,7 +5,12 @@
 import os
 from multiprocessing import util
 
-from torchshm import _expiry, _holdings, _mappings, _segments, _session, _stats
+from torchshm import _stats
+from torchshm._lifetime import expiry as _expiry
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import segments as _segments
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 # Note [Fork]: a child inherits every view but none of the slots: those are

@@ -6,7 +6,9 @@ import sys
 import threading
 import time
 
-from torchshm import _config, _holdings, _mappings
+from torchshm import _config
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime import mappings as _mappings
 from torchshm._native import _C
 
 # Note [Expiry timer]

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 import torchshm
-from torchshm import _config, _memory, _registry
+from torchshm import _config, _memory
+from torchshm._send import registry as _registry
 
 ROUND_TRIP_BYTES = 64 << 20
 TIMEOUT = 120
@@ -239,7 +240,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.command != "report":
-        from torchshm import _doctor
+        from torchshm._tools import doctor as _doctor
 
         return _doctor.main(args.command, args.json)
     info = report(check=not args.no_check)

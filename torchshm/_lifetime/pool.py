@@ -12,7 +12,8 @@ for everything that comes through here.
 
 import time
 
-from torchshm import _config, _session
+from torchshm import _config
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 # Sizes round up to a multiple of 1/8 of the next power of two, and of 64 KiB

@@ -2,11 +2,12 @@
 them out, and closes each one once nothing holds it (Note [Segment lifetime]
 in csrc/segment.h).
 
-Run by torchshm._session as `python -I -S _keeper.py SESSION RUN_DIR LINGER`;
-it imports only the standard library, so that it starts in milliseconds. It
-listens on a Unix socket in the user's run directory under /dev/shm
-(run_dir(): reachable from any network namespace that shares this /dev/shm,
-and no other user can create a name in it), holds the session's lock file for
+Run by torchshm._lifetime.session as `python -I -S daemon.py SESSION RUN_DIR
+LINGER` (protocol.command); it imports only the standard library, so that it
+starts in milliseconds. It listens on a Unix socket in the user's run
+directory under /dev/shm (paths.run_dir(): reachable from any network
+namespace that shares this /dev/shm, and no other user can create a name in
+it), holds the session's lock file for
 its whole life, and makes the session table (csrc/table.h): every process of
 the session maps it.
 
@@ -36,28 +37,38 @@ What it does, and what that costs, so that it stays idle whatever is alive:
 It only ever touches files of its own user, in its run directory, and only
 regular files and sockets: never through a link.
 
-The layouts it reads are restated below from csrc/layout.h, which
-tests/test_layout.py compares against the native module's _C.LAYOUT.
+Note [The keeper's facts]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+What the keeper and the library must agree on lives beside this file, once:
+where its files are (paths.py), what it reads of a segment and makes of the
+session table (layout.py, csrc/layout.h restated and held against the native
+module by tests/test_layout.py), its command line and the words of its
+socket (protocol.py), and what it learns from /proc (procfs.py). The
+library imports those; it never imports this file, which it runs. All are
+standard library only: run as a script, this file imports them as its
+directory's modules; imported as a package (the tests), as the package's.
 """
 
 import errno
 import fcntl
 import json
-import mmap
 import os
-import re
 import resource
 import selectors
 import socket
-import stat
 import struct
 import sys
 import time
 
-SHM_DIR = "/dev/shm"
-PREFIX = "torchshm-"
-ENV_VAR = "TORCHSHM_SESSION"
-RUN_DIR_NAMES = 16  # candidates for the run directory (run_dir)
+if __package__:  # imported as torchshm._lifetime.keeper.daemon (the tests)
+    from torchshm._lifetime.keeper import layout, paths, procfs, protocol
+else:  # run as `python -I -S daemon.py`, which puts no directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import layout  # noqa: E402
+    import paths  # noqa: E402
+    import procfs  # noqa: E402
+    import protocol  # noqa: E402
+
 GRACE_SECONDS = 2.0  # no member connected: one may still be joining
 STARTUP_SECONDS = 30.0  # the starter died before it joined
 SCAN_SECONDS = 1.0
@@ -66,307 +77,6 @@ SLOW_SWEEP_SECONDS = 60.0  # holders of other sessions, missed flags
 SWEEP_DUTY = 0.005  # the slow sweep takes at most this share of a core
 ORPHAN_SCAN_SECONDS = 10.0
 UNREGISTERED_SECONDS = 60.0  # an index claimed by a creator that died
-NEW_LOCK_SECONDS = 60.0  # a process lock file still being created
-MESSAGE_BYTES = 256
-MAX_FDS = 2
-DEFAULT_LINGER_SECONDS = 600.0
-BUSY = b"B"  # the reply to a connection the keeper has no fd to serve
-
-# csrc/layout.h (tests/test_layout.py checks every value).
-SEGMENT_MAGIC = 0x346D687368637274
-SLOTS = 16384
-SLOT_BYTES = 32
-SLOTS_OFFSET = 64
-SLOT_WRITER = 16
-SLOT_VERDICT = 24
-UID_OFFSET = 24
-CAPACITY_OFFSET = 8
-CREATOR_OFFSET = 16
-GENERATION_OFFSET = 32
-UNLINKED_OFFSET = 40
-SLOTS_USED_OFFSET = 44
-PINNED_OFFSET = 48
-HEADER_BYTES = 528384
-TICKET_BIT = 1 << 63
-WRITING_BIT = 1 << 62
-TABLE_MAGIC = 0x316C626174687374
-TABLE_CAPACITY_OFFSET = 8
-TABLE_FD_BASE_OFFSET = 12
-TABLE_BUDGET_OFFSET = 64
-BUDGET_ENTRIES = 512
-BUDGET_ENTRY_BYTES = 16
-TABLE_UIDS_OFFSET = TABLE_BUDGET_OFFSET + BUDGET_ENTRIES * BUDGET_ENTRY_BYTES
-FLAG_TICKETS = 1
-FLAG_RELEASED = 2
-F_ADD_SEALS, F_GET_SEALS = 1033, 1034
-F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW = 1, 2, 4
-MAX_TABLE_CAPACITY = 1 << 16
-
-
-# ------------------------------------------------------------------ paths
-
-# A session id is part of file names in /dev/shm: letters, digits, _ and -,
-# never a path (secrets.token_hex makes them; TORCHSHM_SESSION may set one).
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def valid_session(session):
-    return isinstance(session, str) and SESSION_ID.fullmatch(session) is not None
-
-
-_run_dir = None
-
-
-def run_dir():
-    """The directory of this user's sockets and lock files: the first of
-    /dev/shm/torchshm-<uid>, torchshm-<uid>.1, ... that is a directory of this
-    user that only it can enter, made if none is.
-
-    /dev/shm is world-writable: another user can create a name there before
-    us, but never one inside our directory, so no name of a session can be
-    taken (a planted socket or lock would split a session, or stop its keeper
-    from starting). A planted candidate is passed over, and every process of
-    this user passes over the same ones, so the members of a session always
-    find one keeper. Raises OSError naming what is in the way when every
-    candidate is taken, or why none can be made (no /dev/shm, no inode left):
-    torchshm then stays off."""
-    global _run_dir
-    if _run_dir is None:
-        _run_dir = _find_run_dir()
-    return _run_dir
-
-
-def run_dir_candidates():
-    base = os.path.join(SHM_DIR, f"{PREFIX}{os.geteuid()}")
-    return [base] + [f"{base}.{k}" for k in range(1, RUN_DIR_NAMES)]
-
-
-def is_run_dir(path):
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and _own(st) and not st.st_mode & 0o077
-
-
-def _find_run_dir():
-    candidates = run_dir_candidates()
-    for path in candidates:  # one made before, even if an earlier name is free now
-        if is_run_dir(path):
-            return path
-    for path in candidates:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            if is_run_dir(path):  # another process of ours made it meanwhile
-                return path
-            continue
-        os.chmod(path, 0o700)  # whatever the umask; ours, in a sticky directory
-        return path
-    raise OSError(
-        errno.EEXIST,
-        f"every name torchshm may use for its directory in {SHM_DIR} is taken"
-        f" by another user ({candidates[0]} to {candidates[-1]})",
-    )
-
-
-def socket_path(session):
-    return os.path.join(run_dir(), f"{PREFIX}{session}.sock")
-
-
-def session_lock_path(session):
-    return os.path.join(run_dir(), f"{PREFIX}session-{session}.lock")
-
-
-def process_lock_path(holder):
-    return os.path.join(run_dir(), f"{PREFIX}{holder:016x}.lock")
-
-
-def _own(st):
-    return st.st_uid == os.geteuid()
-
-
-def _open_own_file(path, flags=os.O_RDONLY):
-    """An fd of `path` if it is a regular file of this user, else None: never
-    through a link, never blocking on a FIFO someone planted."""
-    try:
-        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and _own(st):
-        return fd
-    os.close(fd)
-    return None
-
-
-def _lock_held(path):
-    """Whether someone holds the exclusive flock of a lock file of this user
-    (a missing or foreign file: nobody; see csrc/identity.h)."""
-    fd = _open_own_file(path)
-    if fd is None:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def process_alive(holder):
-    return _lock_held(process_lock_path(holder))
-
-
-def session_alive(session):
-    return _lock_held(session_lock_path(session))
-
-
-def lock_session(session):
-    """Takes the session's lock for the caller's life: its fd, or None if a
-    live keeper holds it or the name is not ours to use. The file is created
-    without O_TRUNC and never through a link; after the lock, the name must
-    still be the file we locked (a sweeper may have removed it meanwhile)."""
-    path = session_lock_path(session)
-    for _ in range(10):
-        try:
-            fd = os.open(
-                path,
-                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                0o600,
-            )
-        except OSError:
-            return None  # a link, or another user's file: not ours to use
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and _own(st)):
-            os.close(fd)
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return None  # a live keeper
-        try:
-            same = os.stat(path, follow_symlinks=False).st_ino == st.st_ino
-        except OSError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
-    return None
-
-
-# ------------------------------------------------------------------ headers
-
-
-class Header:
-    """What the keeper reads of a segment's header."""
-
-    __slots__ = ("uid", "capacity", "creator", "generation", "unlinked")
-    __slots__ += ("slots_used", "pinned", "slots")
-
-
-def read_header(fd, with_slots=True):
-    """A segment's header (slots: [(index, word, channel, writer, verdict)]
-    of non-empty slots), or None if `fd` does not hold one."""
-    try:
-        head = os.pread(fd, SLOTS_OFFSET, 0)
-    except OSError:
-        return None
-    if len(head) < SLOTS_OFFSET or struct.unpack_from("<Q", head)[0] != SEGMENT_MAGIC:
-        return None
-    h = Header()
-    h.capacity, h.creator, h.uid, h.generation = struct.unpack_from("<qQQQ", head, 8)
-    h.unlinked, h.slots_used, h.pinned = struct.unpack_from("<III", head, 40)
-    h.slots = []
-    used = min(h.slots_used, SLOTS)
-    if with_slots and used:
-        try:
-            raw = os.pread(fd, used * SLOT_BYTES, SLOTS_OFFSET)
-        except OSError:
-            return None
-        for i, slot in enumerate(struct.iter_unpack("<4Q", raw)):
-            if slot[0]:
-                h.slots.append((i,) + slot)
-    return h
-
-
-def _write(fd, offset, fmt, value):
-    try:
-        os.pwrite(fd, struct.pack(fmt, value), offset)
-    except OSError:
-        pass
-
-
-def _ticket_id(word):
-    return word & ~WRITING_BIT
-
-
-def _is_segment_fd(fd, uid):
-    """Whether `fd` is a sealed memfd of this user holding segment `uid`."""
-    try:
-        st = os.fstat(fd)
-        seals = fcntl.fcntl(fd, F_GET_SEALS)
-    except OSError:
-        return False
-    if not (stat.S_ISREG(st.st_mode) and _own(st)) or not seals & F_SEAL_SHRINK:
-        return False
-    header = read_header(fd, with_slots=False)
-    return header is not None and header.uid == uid
-
-
-# ------------------------------------------------------------------ the table
-
-
-def table_capacity():
-    """(fd_base, capacity): segment fds live at fd_base + index, below the
-    hard fd limit (raised to it first); member connections stay below."""
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20
-    base = 4096 if hard >= 8192 else hard // 2
-    return base, max(0, min(MAX_TABLE_CAPACITY, hard - base - 64))
-
-
-class Table:
-    """The session table (csrc/layout.h), made here."""
-
-    def __init__(self, fd_base, capacity):
-        self.fd_base, self.capacity = fd_base, capacity
-        self.flags_offset = TABLE_UIDS_OFFSET + 8 * capacity
-        size = self.flags_offset + capacity
-        self.fd = os.memfd_create(
-            "torchshm:table", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        )
-        os.ftruncate(self.fd, size)
-        fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-        self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED)
-        struct.pack_into("<II", self.map, TABLE_CAPACITY_OFFSET, capacity, fd_base)
-        struct.pack_into("<Q", self.map, 0, TABLE_MAGIC)  # last
-        self.uids = memoryview(self.map)[TABLE_UIDS_OFFSET : self.flags_offset].cast(
-            "Q"
-        )
-
-    def flagged(self):
-        """Indices whose flag byte is set (a C-speed search)."""
-        flags = memoryview(self.map)[self.flags_offset :]
-        return [(m.start(), m.group()[0]) for m in re.finditer(rb"[^\x00]", flags)]
-
-    def clear_flag(self, index):
-        self.map[self.flags_offset + index] = 0
-
-    def set_flag(self, index, bits):
-        at = self.flags_offset + index
-        self.map[at] = self.map[at] | bits
-
-    def free(self, index, uid):
-        if 0 <= index < self.capacity and self.uids[index] == uid:
-            self.uids[index] = 0
-            self.map[self.flags_offset + index] = 0
-
-
-# ------------------------------------------------------------------ the keeper
 
 
 class Entry:
@@ -376,93 +86,14 @@ class Entry:
         self.uid, self.index, self.fd, self.creator = uid, index, fd, creator
 
 
-def _processes_of_this_user():
-    """(pid, whether its /proc entry can be read) of every process of this
-    user, or None without /proc. A process that made itself non-dumpable has a
-    /proc entry of root's: a keeper that is not root cannot see its fds or
-    environment (but reads its uid from its status)."""
-    uid = os.geteuid()
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return None
-    found = []
-    for pid in pids:
-        try:
-            owner = os.stat(f"/proc/{pid}").st_uid
-        except OSError:
-            continue
-        if owner == uid:
-            found.append((pid, True))
-        elif owner == 0 and _status_uid(pid) == uid:
-            found.append((pid, False))
-    return found
-
-
-def _status_uid(pid):
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[2])  # the effective uid
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def open_pipes():
-    """Inodes of the pipes that processes of this user have open, or None if
-    that cannot be known (no /proc, or a process of this user whose fds
-    cannot be seen): then no ticket is judged by its pipe."""
-    processes, found = _processes_of_this_user(), set()
-    if processes is None or not all(readable for _, readable in processes):
-        return None
-    for pid, _ in processes:
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            if link.startswith("pipe:["):
-                found.add(int(link[6:-1]))
-    return found
-
-
-def session_in_environment(session):
-    """Whether a live process of this user other than this one started with
-    TORCHSHM_SESSION=session (a `subprocess` child that may still import
-    torchshm and join). True if that cannot be known for some process."""
-    processes = _processes_of_this_user()
-    if processes is None:
-        return False  # no /proc: only lock files and members tell
-    wanted, me = f"{ENV_VAR}={session}".encode(), os.getpid()
-    for pid, readable in processes:
-        if pid == me:
-            continue
-        if not readable:
-            return True
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if wanted in f.read().split(b"\0"):
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 class Keeper:
-    def __init__(self, session, listener, linger=DEFAULT_LINGER_SECONDS):
+    def __init__(self, session, listener, linger=protocol.DEFAULT_LINGER_SECONDS):
         self.session = session
         self.listener = listener
         self.linger = linger
         # Kept for accept() at the fd limit (see accept).
         self.reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        self.table = Table(*table_capacity())
+        self.table = layout.Table(*layout.table_capacity())
         self.by_uid = {}  # uid -> Entry
         self.by_index = {}  # index -> uid
         self.members = set()  # connections that joined the session
@@ -487,7 +118,7 @@ class Keeper:
     # ---- segments
 
     def register(self, index, uid, fd):
-        if uid in self.by_uid or not _is_segment_fd(fd, uid):
+        if uid in self.by_uid or not layout.is_segment_fd(fd, uid):
             os.close(fd)
             return
         target = self.table.fd_base + index
@@ -495,7 +126,7 @@ class Keeper:
             os.dup2(fd, target, inheritable=False)
             os.close(fd)
             fd = target
-        header = read_header(fd, with_slots=False)
+        header = layout.read_header(fd, with_slots=False)
         self.by_uid[uid] = Entry(uid, index, fd, header.creator if header else 0)
         self.by_index[index] = uid
         self.unregistered.pop(index, None)
@@ -503,7 +134,7 @@ class Keeper:
     def close(self, entry):
         """Stops handing the segment out: marks it unlinked (a process holding
         a cached mapping then knows) and closes the keeper's fd."""
-        _write(entry.fd, UNLINKED_OFFSET, "<I", 1)
+        layout.mark_unlinked(entry.fd)
         os.close(entry.fd)
         del self.by_uid[entry.uid]
         if self.by_index.get(entry.index) == entry.uid:
@@ -520,12 +151,12 @@ class Keeper:
         if header.pinned and tickets_alive:
             return True  # kept until the session ends (see the Note)
         for _index, word, _channel, _writer, verdict in header.slots:
-            if word & TICKET_BIT:
-                if tickets_alive and verdict != _ticket_id(word):
+            if word & layout.TICKET_BIT:
+                if tickets_alive and verdict != layout.ticket_id(word):
                     return True
             else:
                 if word not in alive:
-                    alive[word] = process_alive(word)
+                    alive[word] = paths.process_alive(word)
                 if alive[word]:
                     return True
         return False
@@ -534,7 +165,7 @@ class Keeper:
         """Looks at every segment; closes those no live holder names."""
         alive = {}
         for entry in list(self.by_uid.values()):
-            header = read_header(entry.fd)
+            header = layout.read_header(entry.fd)
             if header is None or not self.held(header, tickets_alive, alive):
                 self.close_if_unheld(entry, tickets_alive, alive)
         return len(self.by_uid)
@@ -546,7 +177,7 @@ class Keeper:
         that copies the lower slot before the ticket and the higher one after
         the release sees neither. The ticket stays, so a second read sees it
         (the message in flight), unless no holder was left."""
-        header = read_header(entry.fd)
+        header = layout.read_header(entry.fd)
         if header is not None and self.held(header, tickets_alive, alive):
             return
         self.close(entry)
@@ -580,7 +211,7 @@ class Keeper:
                     self.table.set_flag(index, bits)
                 continue
             entry = self.by_uid[uid]
-            header = read_header(entry.fd)
+            header = layout.read_header(entry.fd)
             if header is None:
                 continue
             headers[uid] = (entry, header)
@@ -590,12 +221,12 @@ class Keeper:
             mine = {
                 (uid, i, word): (channel, writer)
                 for i, word, channel, writer, verdict in header.slots
-                if word & TICKET_BIT
-                and (channel or word & WRITING_BIT)
-                and verdict != _ticket_id(word)
+                if word & layout.TICKET_BIT
+                and (channel or word & layout.WRITING_BIT)
+                and verdict != layout.ticket_id(word)
             }
             if mine:
-                self.table.set_flag(index, FLAG_TICKETS)  # look again
+                self.table.set_flag(index, layout.FLAG_TICKETS)  # look again
                 tickets.update(mine)
         self.judge(tickets, headers)
         alive = {}
@@ -611,24 +242,21 @@ class Keeper:
         self.seen = tickets
         dead = set()
         if waiting:
-            pipes = open_pipes()
+            pipes = procfs.open_pipes()
             for key, (channel, writer) in waiting.items():
-                writing = key[2] & WRITING_BIT
+                writing = key[2] & layout.WRITING_BIT
                 if (channel and pipes is not None and channel not in pipes) or (
-                    writing and not process_alive(writer)
+                    writing and not paths.process_alive(writer)
                 ):
                     dead.add(key)
         for uid, slot, word in dead & self.suspects:
             entry, header = headers[uid]
-            _write(
-                entry.fd,
-                SLOTS_OFFSET + slot * SLOT_BYTES + SLOT_VERDICT,
-                "<Q",
-                _ticket_id(word),
-            )
+            layout.write_verdict(entry.fd, slot, layout.ticket_id(word))
             # The header read before the verdict must see it too.
             header.slots = [
-                s[:4] + (_ticket_id(word),) if s[0] == slot and s[1] == word else s
+                s[:4] + (layout.ticket_id(word),)
+                if s[0] == slot and s[1] == word
+                else s
                 for s in header.slots
             ]
         self.suspects = dead
@@ -657,7 +285,7 @@ class Keeper:
             conn, _ = self.listener.accept()
             try:
                 conn.setblocking(False)
-                conn.send(BUSY)
+                conn.send(protocol.BUSY)
             except OSError:
                 pass
             conn.close()
@@ -668,7 +296,9 @@ class Keeper:
 
     def serve(self, conn):
         try:
-            data, fds, _flags, _addr = socket.recv_fds(conn, MESSAGE_BYTES, MAX_FDS)
+            data, fds, _flags, _addr = socket.recv_fds(
+                conn, protocol.MESSAGE_BYTES, protocol.MAX_FDS
+            )
         except BlockingIOError:
             return  # woken for nothing
         except OSError:
@@ -690,32 +320,32 @@ class Keeper:
         """Serves one request; returns the fd it carried that is kept (the
         caller closes the others)."""
         kind = words[0]
-        if kind in ("J", "j"):  # join (J: send me the table)
+        if kind in (protocol.JOIN, protocol.REJOIN):
             self.members.add(conn)
-            if kind == "J":
-                self.reply(conn, b"T", [self.table.fd])
-        elif kind == "R":  # register: index, uid, and the segment's fd
+            if kind == protocol.JOIN:
+                self.reply(conn, protocol.TABLE, [self.table.fd])
+        elif kind == protocol.REGISTER:
             if len(fds) == 1:
                 self.register(int(words[1]), int(words[2], 16), fds[0])
                 return fds[0]
-        elif kind == "F":  # fetch: index, uid
+        elif kind == protocol.FETCH:
             entry = self.by_uid.get(int(words[2], 16))
             if entry is None:
                 self.drain()  # its registration may be queued on another connection
                 entry = self.by_uid.get(int(words[2], 16))
             if entry is None:
-                self.reply(conn, b"f %d" % errno.ENOENT)
+                self.reply(conn, protocol.NOT_FOUND)
             else:
-                self.reply(conn, b"f 0", [entry.fd, self.table.fd])
-        elif kind == "C":  # close what was released, now (torchshm.trim)
+                self.reply(conn, protocol.FOUND, [entry.fd, self.table.fd])
+        elif kind == protocol.CLOSE_RELEASED:
             self.scan_flags()
-            self.reply(conn, b"c")
-        elif kind == "S":  # status, as JSON in a memfd
+            self.reply(conn, protocol.CLOSED)
+        elif kind == protocol.STATUS:
             report = self.status()
             fd = os.memfd_create("torchshm:status", os.MFD_CLOEXEC)
             try:
                 os.write(fd, json.dumps(report).encode())
-                self.reply(conn, b"s", [fd])
+                self.reply(conn, protocol.REPORT, [fd])
             finally:
                 os.close(fd)
         return None
@@ -765,7 +395,7 @@ class Keeper:
     def status(self):
         segments = []
         for entry in self.by_uid.values():
-            header = read_header(entry.fd)
+            header = layout.read_header(entry.fd)
             if header is None:
                 continue
             try:
@@ -785,9 +415,9 @@ class Keeper:
                     "holders": [
                         f"{w:016x}"
                         for _, w, _, _, _ in header.slots
-                        if not w & TICKET_BIT
+                        if not w & layout.TICKET_BIT
                     ],
-                    "tickets": sum(1 for s in header.slots if s[1] & TICKET_BIT),
+                    "tickets": sum(1 for s in header.slots if s[1] & layout.TICKET_BIT),
                 }
             )
         return {
@@ -806,11 +436,11 @@ class Keeper:
         if self.members:
             return True
         me = f" {self.session}"
-        for name in _lock_files():
-            if name.startswith(f"{PREFIX}session-"):
+        for name in paths.lock_files():
+            if name.startswith(f"{paths.PREFIX}session-"):
                 continue
-            path = os.path.join(run_dir(), name)
-            fd = _open_own_file(path)
+            path = os.path.join(paths.run_dir(), name)
+            fd = paths.open_own_file(path)
             if fd is None:
                 continue
             try:
@@ -831,21 +461,23 @@ class Keeper:
         flight is on a pipe some process still holds open."""
         if now - self.alone_since >= self.linger:
             return False
-        if session_in_environment(self.session):
+        if procfs.session_in_environment(self.session):
             return True
         channels = set()
         for entry in self.by_uid.values():
-            header = read_header(entry.fd)
+            header = layout.read_header(entry.fd)
             if header is None:
                 continue
             channels.update(
                 channel
                 for _i, word, channel, _writer, verdict in header.slots
-                if word & TICKET_BIT and channel and verdict != _ticket_id(word)
+                if word & layout.TICKET_BIT
+                and channel
+                and verdict != layout.ticket_id(word)
             )
         if not channels:
             return False
-        pipes = open_pipes()
+        pipes = procfs.open_pipes()
         return pipes is None or not channels.isdisjoint(pipes)
 
     def run(self):
@@ -882,7 +514,7 @@ class Keeper:
                 self.slow_sweep_at = now + max(SLOW_SWEEP_SECONDS, took / SWEEP_DUTY)
             if now >= self.next_orphan_scan:
                 self.next_orphan_scan = now + ORPHAN_SCAN_SECONDS
-                sweep_orphans(self.session)
+                paths.sweep_orphans(self.session)
 
     def wind_down(self):
         """The session is over and its tickets with it: closes what no live
@@ -921,60 +553,6 @@ def _peer_is_us(conn):
     return uid == os.geteuid()
 
 
-def _lock_files():
-    try:
-        return [
-            n
-            for n in os.listdir(run_dir())
-            if n.startswith(PREFIX) and n.endswith(".lock")
-        ]
-    except OSError:
-        return []
-
-
-def sweep_orphans(own_session):
-    """Removes what dead processes and sessions of this user left in /dev/shm:
-    lock files nobody holds, and the sockets of dead sessions (under their
-    session lock, so that a keeper starting for one is never disturbed)."""
-    now = time.time()
-    for name in _lock_files():
-        path = os.path.join(run_dir(), name)
-        fd = _open_own_file(path)
-        if fd is None:
-            continue
-        # A process lock is created under a temporary name, then locked, then
-        # renamed (csrc/identity.cpp): a young one may not be locked yet.
-        if name.startswith(f"{PREFIX}new-") and now - os.fstat(fd).st_mtime < (
-            NEW_LOCK_SECONDS
-        ):
-            os.close(fd)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # alive
-        try:
-            if name.startswith(f"{PREFIX}session-"):
-                session = name[len(f"{PREFIX}session-") : -len(".lock")]
-                if session != own_session:
-                    _remove_socket(socket_path(session))
-            os.unlink(path)  # dead: nobody held its lock
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _remove_socket(path):
-    try:
-        st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and _own(st):
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 def _raise_fd_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
@@ -984,14 +562,14 @@ def _raise_fd_limit():
 def listen(session):
     """The session's listening socket, under its lock; None if another keeper
     serves the session (or the names are not ours to use)."""
-    lock = lock_session(session)
+    lock = paths.lock_session(session)
     if lock is None:
         return None, None
-    path = socket_path(session)
-    _remove_socket(path)  # a dead keeper's: we hold the session's lock
+    path = paths.socket_path(session)
+    paths.remove_socket(path)  # a dead keeper's: we hold the session's lock
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        listener.bind(path)  # only we can enter run_dir(): no chmod needed
+        listener.bind(path)  # only we can enter paths.run_dir(): no chmod needed
         listener.listen(128)
     except OSError:
         listener.close()
@@ -1000,7 +578,7 @@ def listen(session):
     return listener, lock
 
 
-def serve(session, ready, linger=DEFAULT_LINGER_SECONDS):
+def serve(session, ready, linger=protocol.DEFAULT_LINGER_SECONDS):
     _raise_fd_limit()
     listener, lock = listen(session)
     if listener is None:
@@ -1011,27 +589,26 @@ def serve(session, ready, linger=DEFAULT_LINGER_SECONDS):
     try:
         keeper.run()
     finally:
-        _remove_socket(socket_path(session))
+        paths.remove_socket(paths.socket_path(session))
         try:
-            os.unlink(session_lock_path(session))
+            os.unlink(paths.session_lock_path(session))
         except OSError:
             pass
         os.close(lock)
         # What processes of the session killed since the last scan left (and
         # any other dead session's socket): no keeper may be left to do it.
-        sweep_orphans(session)
+        paths.sweep_orphans(session)
 
 
 def main():
-    global _run_dir
     session, directory, linger = sys.argv[1], sys.argv[2], float(sys.argv[3])
     ready = os.fdopen(1, "wb", buffering=0)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 2)
-    if not is_run_dir(directory):
+    if not paths.is_run_dir(directory):
         return  # EOF tells the starter
-    _run_dir = directory  # the starter's choice: the same rule, made once
+    paths.use_run_dir(directory)  # the starter's choice: the same rule, made once
     serve(session, ready, linger)
     # stdout was the ready pipe; point it somewhere harmless once closed.
     os.dup2(devnull, 1)

@@ -9,16 +9,13 @@ import functools
 import os
 import sys
 
-from torchshm import (
-    _config,
-    _expiry,
-    _fds,
-    _holdings,
-    _keeper,
-    _mappings,
-    _session,
-    _stats,
-)
+from torchshm import _config, _stats
+from torchshm._lifetime import expiry as _expiry
+from torchshm._lifetime import fds as _fds
+from torchshm._lifetime import holdings as _holdings
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 
@@ -94,7 +91,7 @@ def parse_locator(locator):
     Segment.locator: torchshm:<session>:<uid hex>:<index>:<pid>:<fd>."""
     try:
         tag, session, uid, index, pid, fd = locator.split(":")
-        if tag != "torchshm" or not _keeper.valid_session(session):
+        if tag != "torchshm" or not _paths.valid_session(session):
             raise ValueError(tag)
         where = (session, int(uid, 16), int(index), int(pid), int(fd))
     except ValueError:

@@ -11,7 +11,10 @@ import json
 import os
 import stat
 
-from torchshm import _attach, _keeper, _memory, _session
+from torchshm import _memory
+from torchshm._lifetime import attach as _attach
+from torchshm._lifetime.keeper import paths as _paths
+from torchshm._lifetime import session as _session
 
 # How a segment's mapping reads in /proc/<pid>/maps.
 SEGMENT_MAPPING = _attach.SEGMENT_LINK
@@ -27,19 +30,19 @@ def sessions():
     """Ids of this user's torchshm sessions whose keeper socket exists."""
     found = []
     try:
-        directory = _keeper.run_dir()
+        directory = _paths.run_dir()
         names = os.listdir(directory)
     except OSError:
         return found
     for name in names:
-        if not (name.startswith(_keeper.PREFIX) and name.endswith(".sock")):
+        if not (name.startswith(_paths.PREFIX) and name.endswith(".sock")):
             continue
         try:
             st = os.lstat(os.path.join(directory, name))
         except OSError:
             continue
         if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
-            found.append(name[len(_keeper.PREFIX) : -len(".sock")])
+            found.append(name[len(_paths.PREFIX) : -len(".sock")])
     return sorted(found)
 
 

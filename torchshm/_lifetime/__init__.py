@@ -1,0 +1,5 @@
+"""The lifetime wing: how shared memory lives and dies (Note [Segment
+lifetime] in csrc/segment.h). A process joins its session (session), makes
+and pools segments (segments, pool, holdings), maps what it receives
+(attach, mappings), gives idle memory back (expiry), and survives fork and
+exit (lifecycle); the session's keeper is a program of its own (keeper/)."""
