@@ -54,6 +54,22 @@ def worker_init_fn(worker_id: int) -> None:
     return None
 
 
+class AllocatingIterDataPipe(IterDataPipe):
+    """Its source, iterated with NumPy allocating large arrays in shared
+    memory in the iterating thread (from then on, as set_allocator does):
+    torchdata workers iterate in a prefetch thread, not the hook's."""
+
+    def __init__(self, source_datapipe, min_bytes=None):
+        self.source_datapipe, self.min_bytes = source_datapipe, min_bytes
+
+    def __iter__(self):
+        _allocator.set_allocator(True, self.min_bytes)
+        yield from self.source_datapipe
+
+    def __len__(self):
+        return len(self.source_datapipe)
+
+
 def chain(fn: Callable[..., T], *, allocate: bool = False) -> Callable[..., T]:
     """A picklable hook that registers torchshm in the process that calls it,
     then returns `fn(*args)`: for a DataLoader's `worker_init_fn(worker_id)`,
@@ -84,7 +100,7 @@ class RegisterThenCall:
         # A torchdata hook returns the datapipe, which a worker may iterate
         # in another thread (its prefetcher): turn it on there too.
         if isinstance(result, IterDataPipe):
-            result = _allocator.AllocatingIterDataPipe(result)
+            result = AllocatingIterDataPipe(result)
         return result
 
     def __repr__(self):

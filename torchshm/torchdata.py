@@ -35,10 +35,9 @@ allocate=True)` turns it on in the thread that maps.
 import warnings
 from typing import Any, Optional, TypeVar
 
-from torchshm._send import allocator as _allocator
-from torchshm._send import registry as _registry
-from torchshm import _share
+from torchshm import _dataloader, _share
 from torchshm._dataloader import _register_in_worker
+from torchshm._send import registry as _registry
 
 T = TypeVar("T")
 
@@ -49,7 +48,7 @@ def with_allocator(datapipe: Any, min_bytes: Optional[int] = None) -> Any:
     """An IterDataPipe whose items are made with the allocator on in the
     thread that iterates it (a worker's prefetch thread included): arrays the
     pipeline makes there are born shared and sent without a copy."""
-    return _allocator.AllocatingIterDataPipe(datapipe, min_bytes)
+    return _dataloader.AllocatingIterDataPipe(datapipe, min_bytes)
 
 
 def register_in_worker(datapipe: T, worker_info: Any = None) -> T:

@@ -11,8 +11,6 @@ whatever is current by then.
 import contextlib
 from typing import Iterator, Optional
 
-from torch.utils.data import IterDataPipe
-
 from torchshm import _config, _fallback, _stats
 from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
@@ -49,22 +47,6 @@ def set_allocator(enabled: bool, min_bytes: Optional[int] = None) -> None:
             _C.swap_numpy_handler(_handler(min_bytes))
     elif fallback is not None:
         _C.swap_numpy_handler(fallback)
-
-
-class AllocatingIterDataPipe(IterDataPipe):
-    """Its source, iterated with NumPy allocating large arrays in shared
-    memory in the iterating thread (from then on, as set_allocator does):
-    torchdata workers iterate in a prefetch thread, not the hook's."""
-
-    def __init__(self, source_datapipe, min_bytes=None):
-        self.source_datapipe, self.min_bytes = source_datapipe, min_bytes
-
-    def __iter__(self):
-        set_allocator(True, self.min_bytes)
-        yield from self.source_datapipe
-
-    def __len__(self):
-        return len(self.source_datapipe)
 
 
 def allocator_enabled() -> bool:
