@@ -95,11 +95,14 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
 
 DISABLE_SCRIPT = """
     import json, pickle
+    from multiprocessing import connection
     from multiprocessing.reduction import ForkingPickler
     import numpy as np
+    send_bytes = connection.Connection._send_bytes
     import torchshm
 
     out = {"registered_at_import": torchshm.is_registered()}
+    out["patched_at_import"] = connection.Connection._send_bytes is not send_bytes
     a = np.arange(1000.0)
     before = torchshm.stats()
     received = pickle.loads(ForkingPickler.dumps(a))
@@ -108,6 +111,7 @@ DISABLE_SCRIPT = """
     out["arrays_shared"] = after["arrays_shared"] - before["arrays_shared"]
     torchshm.register()
     out["registered_later"] = torchshm.is_registered()
+    out["patched_later"] = connection.Connection._send_bytes is not send_bytes
     received = pickle.loads(ForkingPickler.dumps(a))
     out["shared_later"] = bool(torchshm.is_shared(received) and (received == a).all())
     print(json.dumps(out))
@@ -119,9 +123,11 @@ def test_torchshm_disable_at_import(value):
     result = run_json(DISABLE_SCRIPT, TORCHSHM_DISABLE=value)
     assert result == {
         "registered_at_import": False,
+        "patched_at_import": False,  # disabled: multiprocessing as it is
         "by_value": True,
         "arrays_shared": 0,
         "registered_later": True,
+        "patched_later": True,
         "shared_later": True,
     }
 
@@ -130,7 +136,7 @@ def test_torchshm_disable_at_import(value):
 def test_torchshm_disable_off_registers_at_import(value):
     result = run_json(DISABLE_SCRIPT, TORCHSHM_DISABLE=value)
     assert result["registered_at_import"] and not result["by_value"]
-    assert result["arrays_shared"] == 1
+    assert result["patched_at_import"] and result["arrays_shared"] == 1
 
 
 def test_the_registry_fixture_restores_what_a_test_changed_1():

@@ -119,7 +119,6 @@ def _configure_native():
     )
     _config.on_threshold_change(_native.set_threshold)
     _session.set_up()
-    _channel.install()
     _lifecycle.install()
 
 

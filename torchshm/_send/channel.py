@@ -71,6 +71,8 @@ def _send_bytes_then_mark(self, buf, _send_bytes=connection.Connection._send_byt
 
 
 def install():
-    """Wraps the method that writes every message (once, at import)."""
+    """Wraps the method that writes every message (once, at the first
+    register(): a process that never sends through torchshm keeps
+    multiprocessing as it is)."""
     if connection.Connection._send_bytes is not _send_bytes_then_mark:
         connection.Connection._send_bytes = _send_bytes_then_mark

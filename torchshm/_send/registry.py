@@ -1,6 +1,6 @@
 """Registration with multiprocessing's ForkingPickler (never copyreg, so that
 pickle.dumps to a file stays by value): ndarrays, and pyarrow Buffers once
-pyarrow is imported (Note [Arrow buffers] in _arrow.py)."""
+pyarrow is imported (Note [Arrow buffers] in arrow.py)."""
 
 import contextlib
 import threading
@@ -11,10 +11,11 @@ from typing import Iterator
 import numpy as np
 
 from torchshm import _config, _fallback
-from torchshm._send import arrow as _arrow
-from torchshm._send import sender as _sender
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
+from torchshm._send import arrow as _arrow
+from torchshm._send import channel as _channel
+from torchshm._send import sender as _sender
 
 TYPES = (np.ndarray,) + _sender.SUBCLASSES
 _lock = threading.Lock()
@@ -44,6 +45,9 @@ def register() -> None:
         _previous = {t: table.get(t) for t in TYPES}
         for t in TYPES:
             ForkingPickler.register(t, _sender.REDUCER)
+    # Only a process that sends patches multiprocessing: with
+    # TORCHSHM_DISABLE=1 an import changes nothing of it.
+    _channel.install()
     _arrow.watch(_register_arrow)
     _preload_in_forkserver()
 
