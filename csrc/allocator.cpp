@@ -6,6 +6,7 @@
 #include "config.h"
 #include "errors.h"
 #include "numpy_api.h"
+#include "python_compat.h"
 
 namespace torchshm {
 namespace {

@@ -5,11 +5,11 @@
 // A born handler is a "mem_handler" capsule with a size floor and a fallback
 // handler (the one that was current when it was made). An allocation of at
 // least the floor asks the Python source (the born_source hook, config.h:
-// torchshm/_send/allocator.py, which asks the pool) for an int8 segment tensor; the
-// registry below maps the data address to that tensor, and `free` drops it. So
-// the segment's memory outlives the array exactly as long as some receiver
+// torchshm/_send/allocator.py, which asks the pool) for an int8 segment tensor;
+// the registry below maps the data address to that tensor, and `free` drops it.
+// So the segment's memory outlives the array exactly as long as some receiver
 // holds its slot (Note [Segment lifetime]), and the pool reuses it only after
-// that. Anything smaller, anything the source declines (a full /dev/shm: it
+// that. Anything smaller, anything the source declines (memory full: it
 // returns None) and any allocation made while the source runs goes to the
 // fallback.
 //

@@ -5,8 +5,6 @@
 // OSError subclass whose .errno is `err`.
 #pragma once
 
-#include <Python.h>
-
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -41,33 +39,5 @@ template <typename... Parts>
 // Python error as itself, c10's and pybind11's typed errors as their Python
 // types, anything else as RuntimeError (module.cpp).
 void set_python_error(std::exception_ptr error);
-
-// The pending exception, normalized, with its traceback (nullptr if none);
-// the error indicator is cleared. PyErr_Fetch is deprecated from 3.12.
-inline PyObject* fetch_error() {
-#if PY_VERSION_HEX >= 0x030C0000
-  return PyErr_GetRaisedException();
-#else
-  PyObject *type, *error, *trace;
-  PyErr_Fetch(&type, &error, &trace);
-  if (type == nullptr) return nullptr;
-  PyErr_NormalizeException(&type, &error, &trace);
-  if (trace != nullptr) PyException_SetTraceback(error, trace);
-  Py_DECREF(type);
-  Py_XDECREF(trace);
-  return error;
-#endif
-}
-
-// Raises `error` (a reference stolen); nullptr clears the error indicator.
-inline void restore_error(PyObject* error) {
-#if PY_VERSION_HEX >= 0x030C0000
-  PyErr_SetRaisedException(error);
-#else
-  if (error == nullptr) return PyErr_Clear();
-  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(error))), error,
-                PyException_GetTraceback(error));
-#endif
-}
 
 }  // namespace torchshm

@@ -25,8 +25,9 @@ struct Lock {
   int fd = -1;
 };
 
-// The user's run directory (torchshm/_lifetime/keeper/daemon.py run_dir): set once, at
-// import, before any lock is made or asked about; empty: none (torchshm off).
+// The user's run directory (torchshm/_lifetime/keeper/daemon.py run_dir): set
+// once, at import, before any lock is made or asked about; empty: none
+// (torchshm off).
 std::string directory;
 
 std::mutex mutex;     // guards everything below

@@ -2,10 +2,10 @@
 //
 // Every process that holds torchshm memory has a random 63-bit id, fresh after
 // fork, and a lock file <run dir>/torchshm-<id>.lock (the run dir: the user's
-// own directory in /dev/shm, torchshm/_lifetime/keeper/daemon.py) on which it holds an
-// exclusive flock for its whole life (the file says its pid and session, for
-// people and for the keeper). The kernel drops the lock when the process
-// dies, however it dies, so any process that shares this /dev/shm (a
+// own directory in /dev/shm, torchshm/_lifetime/keeper/daemon.py) on which it
+// holds an exclusive flock for its whole life (the file says its pid and
+// session, for people and for the keeper). The kernel drops the lock when the
+// process dies, however it dies, so any process that shares this /dev/shm (a
 // container with --ipc=host, another network or PID namespace) can tell
 // whether a holder lives: a lock it can take, or no regular file of this
 // user under that name (missing, or something another user planted), means
@@ -48,10 +48,10 @@ void set_lock_session(const std::string& session);
 // memory. Thread-safe.
 bool holder_alive(uint64_t holder);
 
-// Fork support (Note [Fork] in torchshm/_lifetime/lifecycle.py). Before fork the parent
-// creates the child's id and lock; the child inherits the locked descriptor,
-// so the lock dies with the child whether it execs (the descriptor is
-// close-on-exec) or not. After fork the parent closes its copy; the child
+// Fork support (Note [Fork] in torchshm/_lifetime/lifecycle.py). Before fork
+// the parent creates the child's id and lock; the child inherits the locked
+// descriptor, so the lock dies with the child whether it execs (the descriptor
+// is close-on-exec) or not. After fork the parent closes its copy; the child
 // adopts the id and closes the parent's lock descriptor.
 uint64_t prepare_child();
 void after_fork_in_parent();

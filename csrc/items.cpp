@@ -9,6 +9,7 @@
 
 #include "errors.h"
 #include "numpy_api.h"
+#include "python_compat.h"
 
 namespace torchshm {
 namespace {

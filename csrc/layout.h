@@ -1,7 +1,7 @@
 // The byte layouts that cross a process or language boundary: a segment's
 // header and holder slots, the ticket word, and the session table. The
-// session keeper (torchshm/_lifetime/keeper/daemon.py, standard library only) restates them;
-// module.cpp exports every constant here as _C.LAYOUT and
+// session keeper (torchshm/_lifetime/keeper/daemon.py, standard library only)
+// restates them; module.cpp exports every constant here as _C.LAYOUT and
 // tests/test_layout.py compares the two, field by field.
 #pragma once
 

@@ -2,21 +2,19 @@
 
 #include <algorithm>
 
+#include "python_compat.h"
 #include "segment.h"
 
 namespace torchshm {
-namespace {
 
-// The referent of a weak reference (a new reference), or None.
 py::object referent(const py::object& weak) {
-#if PY_VERSION_HEX >= 0x030D0000
-  PyObject* obj = nullptr;
-  if (PyWeakref_GetRef(weak.ptr(), &obj) < 0) throw py::error_already_set();
+  bool failed = false;
+  PyObject* obj = weak_referent(weak.ptr(), &failed);
+  if (failed) throw py::error_already_set();
   return obj ? py::reinterpret_steal<py::object>(obj) : py::none();
-#else
-  return py::reinterpret_borrow<py::object>(PyWeakref_GetObject(weak.ptr()));
-#endif
 }
+
+namespace {
 
 py::object weak_ref(py::handle owner, py::handle callback) {
   PyObject* weak = PyWeakref_NewRef(

@@ -9,14 +9,17 @@
 
 namespace torchshm {
 
+// The object a weak reference points to, or None if it is dead.
+py::object referent(const py::object& weak);
+
 // Note [Live views]
 // A process keeps one view tensor per segment it uses: a segment arriving
 // again is rebuilt over the same view, so arrays over it stay aliased (torch's
 // shared_cache does the same), and before fork the parent takes a slot for
 // the child in every segment it has a live view of (Note [Fork] in
-// torchshm/_lifetime/lifecycle.py). The table holds weak references: a view dies with
-// its last array. Both languages write it: Python when it allocates or
-// attaches, the sender's plan when it takes a pooled segment without
+// torchshm/_lifetime/lifecycle.py). The table holds weak references: a view
+// dies with its last array. Both languages write it: Python when it allocates
+// or attaches, the sender's plan when it takes a pooled segment without
 // entering Python (Note [Segment pool]). So it lives here, and every
 // operation is one native call under the GIL that runs no Python code: no
 // thread ever sees it half-changed, and Python iterates snapshots (owners()),

@@ -7,8 +7,10 @@
 #include "config.h"
 #include "errors.h"
 #include "identity.h"
+#include "live.h"
 #include "ndarray.h"
 #include "numpy_api.h"
+#include "python_compat.h"
 #include "segment.h"
 #include "stats.h"
 
@@ -28,17 +30,6 @@ void end_write(bool written) {
       segment->cancel_ticket(ticket);
   }
   being_written.clear();
-}
-
-// The object a weak reference points to, or None.
-py::object deref(const py::object& weak) {
-#if PY_VERSION_HEX >= 0x030D0000
-  PyObject* obj = nullptr;
-  if (PyWeakref_GetRef(weak.ptr(), &obj) < 0) throw py::error_already_set();
-  return obj ? py::reinterpret_steal<py::object>(obj) : py::none();
-#else
-  return py::reinterpret_borrow<py::object>(PyWeakref_GetObject(weak.ptr()));
-#endif
 }
 
 py::object weak_ref(const py::object& obj) {
@@ -216,7 +207,7 @@ py::object Message::ref(py::handle self, py::object owner, py::object name) {
   std::string key = name.cast<std::string>();
   auto found = refs_.find(key);
   if (found != refs_.end()) {
-    py::object existing = deref(found->second);
+    py::object existing = referent(found->second);
     if (!existing.is_none()) return existing;
   }
   py::object made =
@@ -259,7 +250,7 @@ py::object current_message() {
   if (state == nullptr) throw std::runtime_error("no Python thread state");
   PyObject* weak = PyDict_GetItemWithError(state, key);  // borrowed
   if (weak != nullptr) {
-    py::object message = deref(py::reinterpret_borrow<py::object>(weak));
+    py::object message = referent(py::reinterpret_borrow<py::object>(weak));
     if (!message.is_none()) return message;
   } else if (PyErr_Occurred()) {
     throw py::error_already_set();

@@ -1,6 +1,8 @@
-// Bindings only: the mechanism lives in segment.cpp, table.cpp, identity.cpp,
-// allocator.cpp, ndarray.cpp, pool.cpp, plan.cpp, message.cpp, parallel.cpp
-// and stats.cpp.
+// The native module's bindings: what Python may call of the mechanism in the
+// other files of csrc/ (the wire's rebuilds are bound in message.cpp, which
+// names them torchshm._reduction.<name>), the layout table that
+// tests/test_layout.py holds the keeper's against, and the testing
+// submodule.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
@@ -126,8 +128,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("capacity", &torchshm::SessionTable::capacity)
       .def_property_readonly("fd_base", &torchshm::SessionTable::fd_base)
       .def("claim", &torchshm::SessionTable::claim, py::arg("uid"))
-      .def("flag", &torchshm::SessionTable::flag, py::arg("index"),
-           py::arg("bits"))
       .def("budget_set", &torchshm::SessionTable::budget_set, py::arg("holder"),
            py::arg("bytes"))
       .def("budget_total", &torchshm::SessionTable::budget_total);
@@ -165,7 +165,6 @@ PYBIND11_MODULE(_C, m) {
       .def("claim_ticket", &Segment::claim_ticket, py::arg("ticket"),
            py::arg("holder"))
       .def("cancel_ticket", &Segment::cancel_ticket, py::arg("ticket"))
-      .def("mark_written", &Segment::mark_written, py::arg("ticket"))
       .def("has_live_holder", &Segment::has_live_holder,
            py::arg("except_slot") = -1)
       .def("pin", &Segment::pin)

@@ -24,9 +24,9 @@ namespace torchshm {
 // group, and on a busy machine it stays listed in /proc/self/task for a
 // while. So every thread torchshm starts names itself "torchshm-<role>"
 // first thing (the copy and populate workers here, the expiry timer in
-// torchshm/_lifetime/expiry.py), and the before-fork hook, once it has joined the
-// timer, waits (bounded) until no thread so named is listed. By name, not by
-// thread id: it also finds a timer that ended on its own a moment ago, and a
+// torchshm/_lifetime/expiry.py), and the before-fork hook, once it has joined
+// the timer, waits (bounded) until no thread so named is listed. By name, not
+// by thread id: it also finds a timer that ended on its own a moment ago, and a
 // recycled id is never waited for. The wait is there, once per fork, rather
 // than after every join: a fork is when it matters, and copies pay only the
 // one system call that names each worker. A wait that reaches its bound lets

@@ -3,9 +3,9 @@
 // Note [Segment pool]
 // A sender keeps the segments it created and reuses one once nothing but its
 // pool holds it (Note [Segment lifetime] in segment.h). This is the
-// mechanism; torchshm/_lifetime/pool.py is the policy: what to admit (the session's
-// budget), when to release, the size classes, and when the once-a-second
-// thorough pass is due.
+// mechanism; torchshm/_lifetime/pool.py is the policy: what to admit (the
+// session's budget), when to release, the size classes, and when the
+// once-a-second thorough pass is due.
 // - Every operation is one call under the GIL, and `take` makes the taken
 //   segment's view in the same call. A segment is free while no local view
 //   is alive, so no other thread, Python or native, can take it twice.

@@ -11,11 +11,11 @@
 // mapping go, so whatever dies, nothing outlives the processes using it.
 //
 // Who has an fd. The creator creates it and sends its fd to the session's
-// keeper (torchshm/_lifetime/keeper/daemon.py, one process per session), which keeps it at
-// fd number fd_base + index, the segment's index in the session table
-// (table.h). A receiver opens /proc/<keeper>/fd/<fd_base + index> (no round
-// trip), or the creator's own fd the same way, or asks the keeper over its
-// socket in /dev/shm (another PID namespace, a restarted keeper); it checks
+// keeper (torchshm/_lifetime/keeper/daemon.py, one process per session), which
+// keeps it at fd number fd_base + index, the segment's index in the session
+// table (table.h). A receiver opens /proc/<keeper>/fd/<fd_base + index> (no
+// round trip), or the creator's own fd the same way, or asks the keeper over
+// its socket in /dev/shm (another PID namespace, a restarted keeper); it checks
 // that what it opened is a sealed memfd of this user whose header carries
 // the segment's random uid, maps it and closes the fd: a live array costs a
 // mapping, never an fd. The creator keeps its fd while it keeps the segment
@@ -448,10 +448,10 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
 py::object mapped_object(py::handle owner, Segment::Mapping kind,
                          int threads = 1);
 
-// The expiry timer of torchshm/_lifetime/expiry.py sleeps without a deadline while
-// every pooled segment has a local view (none can expire). Armed with a pipe
-// fd, the next pooled segment whose last local view dies writes one byte to
-// it and disarms it: one wake-up per such sleep, no syscall per message
+// The expiry timer of torchshm/_lifetime/expiry.py sleeps without a deadline
+// while every pooled segment has a local view (none can expire). Armed with a
+// pipe fd, the next pooled segment whose last local view dies writes one byte
+// to it and disarms it: one wake-up per such sleep, no syscall per message
 // otherwise. -1 disarms.
 void wake_when_quiet(int fd);
 

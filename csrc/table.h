@@ -1,10 +1,10 @@
 // A process's mapping of a session table (layout.h): segment indices, the
 // flags that tell the keeper where to look, and the session's pool budget.
 //
-// The keeper (torchshm/_lifetime/keeper/daemon.py) makes the table and hands its fd to every
-// process that joins the session; a process that attaches a segment of
-// another session gets that session's table with the segment's fd. Entries
-// are changed by one atomic operation each, so a process killed in the
+// The keeper (torchshm/_lifetime/keeper/daemon.py) makes the table and hands
+// its fd to every process that joins the session; a process that attaches a
+// segment of another session gets that session's table with the segment's fd.
+// Entries are changed by one atomic operation each, so a process killed in the
 // middle of a change leaves nothing half-done: an index claimed by a creator
 // that died before registering is freed by the keeper, and a budget entry of
 // a dead process stops counting as soon as its lock is gone (identity.h).

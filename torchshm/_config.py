@@ -155,7 +155,7 @@ def registration_disabled():
 check_environment()  # at import: see Note [Environment variables]
 _threshold = env_setting("TORCHSHM_THRESHOLD", DEFAULT_THRESHOLD)
 # Called with the new value whenever it changes: the native sender keeps a
-# copy for its fast path (_sender.configure), so this stays the one place
+# copy for its fast path (_native.set_threshold), so this stays the one place
 # that decides the threshold.
 _threshold_watchers = []
 

@@ -200,12 +200,6 @@ def _drop(token):
     return True
 
 
-def live_handles():
-    """How many handles this process exports now."""
-    with _lock:
-        return len(_exports)
-
-
 class _HandleData:
     """What a handle's bytes hold; unpickling one loads it, so a handle also
     works with pickle.loads and inside other pickles."""

@@ -24,7 +24,6 @@ subclass finds its plain value; any other hashable finds nothing.
 """
 
 import numbers
-import zlib
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -117,10 +116,6 @@ def decode(data) -> Any:
             at += size
         return tuple(elements)
     raise ValueError(f"not a SharedDict key encoding (tag {tag})")
-
-
-def hash_of(encoded) -> int:
-    return zlib.crc32(encoded)
 
 
 def build_index(hashes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

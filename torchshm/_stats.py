@@ -22,7 +22,7 @@ COUNTERS = (
     "mappings_reused",  # a receiver reused a cached mapping (no page faults)
     "tickets_unavailable",  # every holder slot taken: sent without a ticket
     "allocations_shared",  # NumPy allocations born in a segment (allocating())
-    "allocations_fallback",  # ...that /dev/shm could not take: NumPy's memory
+    "allocations_fallback",  # ...that shared memory could not take: NumPy's
     # A fork that went on while a joined torchshm thread was still listed
     # (Note [Threads at fork] in csrc/parallel.h).
     "fork_waits_timed_out",

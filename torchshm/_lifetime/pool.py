@@ -52,7 +52,7 @@ class Pool:
         self._next_thorough_scan = 0.0
         self._fast = False  # whether the plan may take without Python
         self._budget = budget or SessionBudget()
-        self._recorded = 0  # what the budget file says this pool holds
+        self._recorded = 0  # what the session table's budget says this pool holds
 
     @property
     def nbytes(self):

@@ -32,7 +32,8 @@ CREATOR_FD_SHARE = 0.25
 
 def allocate(nbytes, populate=True):
     """An int8 tensor over at least `nbytes` of shared memory (use only the
-    first nbytes). Raises SharedMemoryError if /dev/shm cannot hold it.
+    first nbytes). Raises SharedMemoryError if memory cannot hold it (the
+    cgroup's or the machine's: segments are memfds, not /dev/shm files).
     Without `populate`, a fresh segment's pages are made by the sender's
     writes into it (csrc/segment.h, Segment::fill), not up front."""
     return allocate_block(nbytes, populate)[0]
