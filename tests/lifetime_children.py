@@ -4,6 +4,7 @@ import os
 import pickle
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
@@ -123,6 +124,19 @@ class _Stall:
 
 def send_and_exit(conn, nbytes):
     conn.send(np.full(nbytes // 8, 1.0))
+
+
+def create_and_wait(outbox, count, nbytes, with_messages):
+    """Creates `count` segments one after the other (each registration is a
+    message to the keeper, queued if it is stopped), reports their names (and
+    a message naming each), and waits to be killed."""
+    held = [
+        torchshm.share(np.full(nbytes // 8, i, dtype=np.float64)) for i in range(count)
+    ]
+    names = [_C.segment_of(a.base).name for a in held]
+    messages = [bytes(ForkingPickler.dumps(a)) for a in held] if with_messages else []
+    outbox.put((names, messages))
+    time.sleep(120)
 
 
 def send_stalled(conn, nbytes, ready):

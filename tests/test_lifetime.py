@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -473,6 +474,7 @@ def test_a_killed_process_frees_what_only_it_held_within_5_s(method):
     finally:
         if p.is_alive():
             p.kill()
+        p.join(TIMEOUT)
         outbox.close()
 
 
@@ -582,6 +584,49 @@ def test_a_message_written_before_its_segment_is_registered_still_dies():
     assert wait_until(lambda: not (session_segments() - before), 10), sorted(
         session_segments() - before
     )
+
+
+@pytest.mark.parametrize("asked", ["fetch", "status"])
+def test_the_keeper_answers_after_every_registration_sent_before_the_question(asked):
+    # A process creates segments faster than the keeper reads, sends them and
+    # dies: their registrations wait on its connection. A receiver's fetch of
+    # the last (or a report) asked after them must see them all, however many
+    # wait, or the message naming it is lost. Stopping the keeper while both
+    # wait makes that order certain.
+    count = 8
+    ctx = mp.get_context("fork")
+    outbox = ctx.Queue()
+    keeper = _session.keeper_pid()
+    assert keeper > 0  # os.kill(0, ...) would stop this process group
+    os.kill(keeper, signal.SIGSTOP)
+    waking = threading.Timer(0.5, os.kill, (keeper, signal.SIGCONT))
+    p = ctx.Process(
+        target=lifetime_children.create_and_wait,
+        args=(outbox, count, 1 << 16, asked == "fetch"),
+    )
+    try:
+        p.start()
+        names, messages = outbox.get(timeout=TIMEOUT)
+        if asked == "fetch":
+            # Its fds gone with it, only the keeper can hand the segments out.
+            p.kill()
+            p.join(TIMEOUT)
+        waking.start()  # after this process has asked, below
+        if asked == "fetch":
+            for i in reversed(range(count)):
+                array = pickle.loads(messages[i])
+                assert array[0] == i and array[-1] == i
+                assert torchshm.is_shared(array)
+                del array
+        else:
+            assert set(names) <= session_segments()
+    finally:
+        waking.cancel()
+        os.kill(keeper, signal.SIGCONT)
+        if p.is_alive():
+            p.kill()
+        p.join(TIMEOUT)
+        outbox.close()
 
 
 def test_a_sender_killed_after_its_write_still_delivers(ctx):

@@ -77,6 +77,9 @@ SLOW_SWEEP_SECONDS = 60.0  # holders of other sessions, missed flags
 SWEEP_DUTY = 0.005  # the slow sweep takes at most this share of a core
 ORPHAN_SCAN_SECONDS = 10.0
 UNREGISTERED_SECONDS = 60.0  # an index claimed by a creator that died
+# A connection holds at most a socket buffer of requests (278 of the
+# smallest with the default 208 KiB): enough passes to read them all.
+DRAIN_PASSES = 1024
 
 
 class Entry:
@@ -341,6 +344,7 @@ class Keeper:
             self.scan_flags()
             self.reply(conn, protocol.CLOSED)
         elif kind == protocol.STATUS:
+            self.drain()  # a report counts what was registered before it
             report = self.status()
             fd = os.memfd_create("torchshm:status", os.MFD_CLOEXEC)
             try:
@@ -359,22 +363,34 @@ class Keeper:
             self.drop(conn)
 
     def drain(self):
-        """Serves every connection with a request waiting, without blocking
-        (not recursively: a fetch served here does not drain again)."""
+        """Serves every request waiting on any connection, without blocking,
+        before a question whose answer depends on them (a fetch, a report):
+        a process may register many segments, send a message naming the
+        last and exit before the keeper reads the first. Each pass serves one
+        request per ready connection and accepts new ones; waiting requests
+        are bounded by the sockets' buffers, and DRAIN_PASSES bounds a client
+        that keeps sending. Not recursive: a fetch served here does not drain
+        again."""
         if self.draining:
             return
         self.draining = True
         try:
-            self.serve_ready(0)
+            for _ in range(DRAIN_PASSES):
+                if not self.serve_ready(0):
+                    break
         finally:
             self.draining = False
 
     def serve_ready(self, timeout):
-        for key, _ in self.selector.select(timeout=timeout):
+        """Serves one request on each ready connection; returns how many
+        connections (the listener included) were ready."""
+        ready = self.selector.select(timeout=timeout)
+        for key, _ in ready:
             if key.fileobj is self.listener:
                 self.accept()
             else:
                 self.serve(key.fileobj)
+        return len(ready)
 
     def drop(self, conn):
         try:
