@@ -29,6 +29,16 @@ def cxx_standard_flags():
     return ["-std=c++17"] if major < 2 else []
 
 
+def optimization_flags():
+    """DEBUG=1 builds for gdb: no optimization, debug info, assertions on
+    (Python's own flags define NDEBUG). Otherwise optimized, and -g0: no
+    debug info for torch's headers, which every file includes (a fifth to a
+    third of the compile time, measured)."""
+    if os.environ.get("DEBUG", "0") not in ("", "0"):
+        return ["-O0", "-g", "-UNDEBUG"]
+    return ["-O3", "-g0"]
+
+
 # Recorded so that an import against another torch names both versions.
 with open(os.path.join(HERE, "torchshm", "_build_info.json"), "w") as f:
     json.dump({"torch": torch.__version__, "numpy": numpy.__version__}, f)
@@ -37,18 +47,23 @@ setup(
     ext_modules=[
         CppExtension(
             "torchshm._C",
-            sorted(glob.glob("csrc/*.cpp")),
+            # Relative to the project, as setuptools wants sources, but
+            # found from here: a build started elsewhere finds them too.
+            sorted(
+                os.path.relpath(p, HERE)
+                for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp"))
+            ),
             include_dirs=[numpy.get_include()],
             define_macros=[
                 ("TORCHSHM_TORCH_VERSION", f'"{torch.__version__}"'),
                 ("TORCHSHM_NUMPY_VERSION", f'"{numpy.__version__}"'),
             ],
-            # -g0: no debug info for torch's headers, which every file
-            # includes (a fifth to a third of the compile time, measured).
-            # -fvisibility=hidden, as pybind11 asks of its modules: pybind11
-            # 3 (torch 2.14 bundles it) hides its own types, and a type of
-            # ours that holds a py::object must not be more visible.
-            extra_compile_args=["-O3", "-g0", "-fvisibility=hidden"]
+            # -Wall whatever Python's own flags say. -fvisibility=hidden, as
+            # pybind11 asks of its modules: pybind11 3 (torch 2.14 bundles
+            # it) hides its own types, and a type of ours that holds a
+            # py::object must not be more visible.
+            extra_compile_args=optimization_flags()
+            + ["-Wall", "-fvisibility=hidden"]
             + cxx_standard_flags(),
             libraries=["rt"],
         )

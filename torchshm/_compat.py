@@ -1,12 +1,16 @@
-"""Every difference between torch 1.13-2.x and numpy 1.24-2.x, in one place.
+"""Every difference between torch 1.13-2.x and numpy 1.24-2.x, and every
+private attribute of torch, numpy and multiprocessing that torchshm uses, in
+one place.
 
-Nothing else in torchshm touches a private torch attribute or branches on a
+Nothing else in torchshm touches a private attribute or branches on a
 version.
 """
 
 import json
 import os
 import re
+from multiprocessing import connection, forkserver, queues
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -88,3 +92,35 @@ def numpy_handler_name(array=None):
     core = getattr(np, "_core", None) or np.core
     get = core.multiarray.get_handler_name
     return get() if array is None else get(array)
+
+
+# --- multiprocessing: what it keeps private and torchshm needs
+
+
+def forking_reducers():
+    """ForkingPickler's table of reducers by exact type: it has no public
+    way to read or remove one."""
+    return ForkingPickler._extra_reducers
+
+
+def forkserver_preload():
+    """The forkserver's preload list, or None (no public getter)."""
+    return getattr(forkserver._forkserver, "_preload_modules", None)
+
+
+# The frames that write a pickled message to a Connection: Connection.send
+# (Pipe, Pool's queues), SimpleQueue.put, and Queue's feeder thread (_feed).
+MESSAGE_WRITERS = (
+    connection.Connection.send.__code__,
+    queues.SimpleQueue.put.__code__,
+    queues.Queue._feed.__code__,
+)
+
+
+def connection_send_bytes():
+    """The method every multiprocessing write of a message ends in."""
+    return connection.Connection._send_bytes
+
+
+def set_connection_send_bytes(method):
+    connection.Connection._send_bytes = method

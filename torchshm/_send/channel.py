@@ -20,17 +20,12 @@ pending, the wrapper costs one native call.
 
 import os
 import stat
-from multiprocessing import connection, queues
 
+from torchshm import _compat
 from torchshm._native import _C
 
-
 # The frames that write a pickled message to a Connection (see above).
-WRITERS = (
-    connection.Connection.send.__code__,
-    queues.SimpleQueue.put.__code__,
-    queues.Queue._feed.__code__,
-)
+WRITERS = _compat.MESSAGE_WRITERS
 # A pickler's reduce runs a few frames below the writer.
 MAX_DEPTH = 12
 
@@ -57,7 +52,7 @@ def _pipe_inode(conn):
     return inode
 
 
-def _send_bytes_then_mark(self, buf, _send_bytes=connection.Connection._send_bytes):
+def _send_bytes_then_mark(self, buf, _send_bytes=_compat.connection_send_bytes()):
     """Connection._send_bytes, between the two ends of the write of the
     thread's message (see the module's docstring)."""
     if not _C.message_writing(_pipe_inode(self)):
@@ -74,5 +69,5 @@ def install():
     """Wraps the method that writes every message (once, at the first
     register(): a process that never sends through torchshm keeps
     multiprocessing as it is)."""
-    if connection.Connection._send_bytes is not _send_bytes_then_mark:
-        connection.Connection._send_bytes = _send_bytes_then_mark
+    if _compat.connection_send_bytes() is not _send_bytes_then_mark:
+        _compat.set_connection_send_bytes(_send_bytes_then_mark)

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from torchshm import _config, _fallback
+from torchshm import _compat, _config, _fallback
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
 from torchshm._send import arrow as _arrow
@@ -40,8 +40,7 @@ def register() -> None:
     with _lock:
         if _previous is not None:
             return
-        # ForkingPickler has no public way to read or remove a reducer.
-        table = ForkingPickler._extra_reducers
+        table = _compat.forking_reducers()
         _previous = {t: table.get(t) for t in TYPES}
         for t in TYPES:
             ForkingPickler.register(t, _sender.REDUCER)
@@ -59,7 +58,7 @@ def _register_arrow() -> None:
     with _lock:
         if _previous is None or buffer is None or buffer in _previous:
             return
-        _previous[buffer] = ForkingPickler._extra_reducers.get(buffer)
+        _previous[buffer] = _compat.forking_reducers().get(buffer)
         ForkingPickler.register(buffer, _arrow.reduce_buffer)
 
 
@@ -71,8 +70,7 @@ def _preload_in_forkserver():
     DataLoader or Pool worker. The server starts on first use and imports
     its preload list then: torchshm joins that list, which keeps what the
     user put there. A server already running is left as it is."""
-    # multiprocessing has no public getter for the list.
-    modules = getattr(forkserver._forkserver, "_preload_modules", None)
+    modules = _compat.forkserver_preload()
     if modules is not None and "torchshm" not in modules:
         forkserver.set_forkserver_preload([*modules, "torchshm"])
 
@@ -83,7 +81,7 @@ def unregister() -> None:
     with _lock:
         if _previous is None:
             return
-        table = ForkingPickler._extra_reducers
+        table = _compat.forking_reducers()
         for t, reducer in _previous.items():
             if reducer is None:
                 table.pop(t, None)
@@ -106,7 +104,7 @@ def round_trip(obj):
 
 
 def is_registered() -> bool:
-    return ForkingPickler._extra_reducers.get(np.ndarray) is _sender.REDUCER
+    return _compat.forking_reducers().get(np.ndarray) is _sender.REDUCER
 
 
 @contextlib.contextmanager

@@ -13,13 +13,12 @@ in _strings.py). The numbers below are handed to the native side once, at
 import, by torchshm/__init__.py.
 """
 
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
-from torchshm import _config, _fallback, _stats, _strings
+from torchshm import _compat, _config, _fallback, _stats, _strings
 from torchshm._lifetime import segments as _segments
 from torchshm._compat import untyped_storage
 from torchshm._native import _C
@@ -85,9 +84,7 @@ def reduce_torch_owned(tensor, view):
     storage = untyped_storage(tensor)
     if not (storage.is_shared() and sharing_strategy() == "file_system"):
         return None
-    rebuild_storage, storage_args = ForkingPickler._extra_reducers[type(storage)](
-        storage
-    )
+    rebuild_storage, storage_args = _compat.forking_reducers()[type(storage)](storage)
     return rebuild_ndarray_from_reduced_storage, (rebuild_storage, storage_args) + view
 
 
