@@ -39,27 +39,6 @@ TIMEOUT = 60
 # in csrc/segment.h): the leak check waits this long for both.
 LEAK_GRACE = 10
 
-# Modules whose tests start processes (directly, through a pool or a
-# DataLoader, or a driver in a session of its own) or check memory that
-# processes share: every test in them gets the leak check. (Not
-# test_bad_input: its in-process test holds memmap files until pytest drops
-# the fixture, after any check; its multiprocess tests ask for ctx or child.)
-MULTIPROCESS_MODULES = {
-    "test_allocator",
-    "test_dataloader",
-    "test_fanout",
-    "test_faults",
-    "test_handles",
-    "test_lifetime",
-    "test_limits",
-    "test_multiprocess",
-    "test_pandas_xarray",
-    "test_pool",
-    "test_pools",
-    "test_reuse",
-    "test_shared_containers",
-    "test_snapshots",
-}
 # A test that asks for one of these fixtures starts processes, wherever it is.
 MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 
@@ -258,13 +237,12 @@ def no_leaks():
 
 
 def is_multiprocess(item):
-    """Whether a test starts processes: it asks for ctx, child or method, is
-    marked multiprocess, or lives in a module of MULTIPROCESS_MODULES."""
-    module = item.module.__name__.rpartition(".")[2] if item.module else ""
+    """Whether a test starts processes: it asks for ctx, child or method, or
+    is marked multiprocess (itself, or its module by `pytestmark`: a module
+    whose every test starts processes says so at its top)."""
     return bool(
         MULTIPROCESS_FIXTURES & set(item.fixturenames)
         or item.get_closest_marker("multiprocess")
-        or module in MULTIPROCESS_MODULES
     )
 
 

@@ -20,6 +20,10 @@ from torchshm import _C
 from torchshm._lifetime import segments as _segments
 from torchshm._compat import numpy_handler_name
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 N = 100_000  # float64: 800 KB, well above MIN_BYTES
 
 

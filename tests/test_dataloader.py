@@ -16,6 +16,10 @@ from tests import integration_children as ic
 from tests.conftest import run_script, TIMEOUT
 from tests.test_pandas_xarray import assert_all_shared
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 
 def load(ctx, dataset, **kwargs):
     loader = DataLoader(

@@ -14,6 +14,10 @@ from tests import lifetime_children
 from tests.conftest import TIMEOUT
 from torchshm import _C
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 F_SETPIPE_SZ = 1031
 IN_FLIGHT = 10_000
 QUEUES = 4

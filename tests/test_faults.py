@@ -10,6 +10,10 @@ import torchshm
 from tests import fault_children, isolated
 from tests.conftest import TIMEOUT, bounded
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize("n", [1_000, 5_000_000])
 def test_a_child_that_puts_and_returns(ctx, no_leaks, n):

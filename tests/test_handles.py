@@ -19,6 +19,10 @@ from tests.conftest import TIMEOUT
 from torchshm import _handles
 from torchshm._lifetime import session as _session
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NBYTES = 16 << 20
 LOADERS = 8

@@ -36,6 +36,10 @@ from torchshm._lifetime import mappings as _mappings
 from torchshm._lifetime import session as _session
 from tests.conftest import keeper_segments, memfd_holders, session_segments
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

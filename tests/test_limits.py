@@ -16,6 +16,10 @@ from tests import fault_children, isolated
 from tests.isolated import NO_MEMORY_CGROUP, NO_UNSHARE, SMALL_SHM
 from tests.conftest import TIMEOUT
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 
 def test_a_consumer_under_ulimit_n_64_keeps_500_arrays(no_leaks, child):
     # A live array costs a mapping, never an fd (torch's fd strategy fails

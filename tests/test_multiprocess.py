@@ -2,9 +2,14 @@
 zero-copy in both directions, aliasing, and nothing left behind."""
 
 import numpy as np
+import pytest
 
 import torchshm
 from tests import cases, children
+
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
 
 
 def test_matrix_round_trip_through_a_child(ctx, no_leaks, child):

@@ -14,6 +14,10 @@ import torchshm
 from tests import integration_children as ic
 from tests.conftest import segment_mappings, stats_delta
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 
 def assert_all_shared(obj):
     arrays = ic.arrays_in(obj)

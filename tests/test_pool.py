@@ -16,6 +16,10 @@ from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import pool as _pool
 from torchshm._lifetime import segments as _segments
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 KIB = 1 << 10
 
 

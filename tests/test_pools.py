@@ -13,6 +13,10 @@ import torchshm
 from tests import integration_children as ic
 from tests.conftest import TIMEOUT, bounded, stats_delta
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 WORKERS = 2
 
 

@@ -12,6 +12,10 @@ from tests import children
 from tests.conftest import TIMEOUT, session_segments
 from torchshm._lifetime import holdings as _holdings
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 
 def roundtrip(obj):
     return ForkingPickler.loads(ForkingPickler.dumps(obj))

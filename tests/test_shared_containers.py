@@ -23,6 +23,10 @@ from torchshm._tools import doctor as _doctor
 from torchshm._containers import _C
 from tests import container_children as cc
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 # Values as a dataset holds them. No NaN: an item is read back as a new
 # object, and NaN equals only itself, so [nan] == [nan] holds for one list
 # but not between a list and a SharedList (README: Semantics).

@@ -14,6 +14,10 @@ from tests import snapshot_children as kids
 from tests.conftest import stats_delta
 from torchshm._send import sender as _sender
 
+# Every test here starts processes or checks memory they share: each gets
+# the leak check (tests/conftest.py).
+pytestmark = pytest.mark.multiprocess
+
 # A copy with a segment of its own: the sizes resends are remembered for.
 BIG = _sender.PACK_LIMIT // 8 + 4096
 
