@@ -4,6 +4,7 @@
 
 #include "python_compat.h"
 #include "segment.h"
+#include "views.h"
 
 namespace torchshm {
 

@@ -13,6 +13,7 @@
 #include "python_compat.h"
 #include "segment.h"
 #include "stats.h"
+#include "views.h"
 
 namespace torchshm {
 namespace {

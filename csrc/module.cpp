@@ -24,6 +24,7 @@
 #include "snapshots.h"
 #include "stats.h"
 #include "table.h"
+#include "views.h"
 
 namespace {
 

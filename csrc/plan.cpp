@@ -13,6 +13,7 @@
 #include "segment.h"
 #include "snapshots.h"
 #include "stats.h"
+#include "views.h"
 
 namespace torchshm {
 namespace {

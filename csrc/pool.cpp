@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "identity.h"
+#include "views.h"
 
 namespace torchshm {
 

@@ -2,6 +2,7 @@
 
 #include "identity.h"
 #include "live.h"
+#include "views.h"
 
 namespace torchshm {
 

@@ -3,6 +3,7 @@ functions too (a cycle that only a lazy import hides still ties two modules
 into one, issue 23), and the wings' rule (which module may import which)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,28 @@ def native_importers():
 def test_exactly_one_module_imports_the_native_extension():
     # Note [The seam] in torchshm/_native.py.
     assert native_importers() == {"torchshm._native"}
+
+
+# C++ calls into Python other than the hooks (csrc/config.h), by file: the
+# protocols of the objects torchshm moves, each named in Note [The seam].
+# module.cpp sets the module's own attributes, which calls nothing.
+CALLS_INTO_PYTHON = {"items.cpp": 2, "message.cpp": 6, "plan.cpp": 2, "views.cpp": 1}
+
+
+def test_cxx_calls_into_python_only_where_the_seam_note_says():
+    csrc = PACKAGE.parent / "csrc"
+    call = re.compile(r"PyObject_Call\w*\(|\.attr\(")
+    found = {}
+    for path in sorted(csrc.glob("*.[ch]*")):
+        if path.name in ("config.cpp", "module.cpp"):
+            continue
+        n = len(call.findall(path.read_text()))
+        if n:
+            found[path.name] = n
+    assert found == CALLS_INTO_PYTHON, (
+        "a call from C++ into Python: route it through a hook (csrc/config.h)"
+        " or name it in Note [The seam] (torchshm/_native.py), then here"
+    )
 
 
 # The wings' rule. The top level holds what users and pickles name and the

@@ -5,10 +5,24 @@ Note [The seam]
 C++ does mechanism (csrc/), Python owns every decision (style.md). They meet
 here, in two ways and no others:
 - Python calls the native module: every other module takes `_C` from here.
-- C++ calls Python only through the hooks that configure() hands over, once,
-  with every policy number, in one native call (`_C.configure`). The native
-  side keeps no default of its own: a field configure() leaves out is an
-  error at import, not a silent second copy of a number.
+- C++ calls torchshm's Python only through the hooks that configure() hands
+  over, once, with every policy number, in one native call (`_C.configure`).
+  The native side keeps no default of its own: a field configure() leaves
+  out is an error at import, not a silent second copy of a number.
+C++ also calls Python that is not torchshm's: the protocols of the objects
+it moves, which decide nothing of torchshm's: eight, each where pickle or
+numpy itself would make it:
+- csrc/message.cpp: an object's `__reduce__` (reduce_with_token and the
+  sender's two fallbacks: numpy's own reduce of a small or odd array);
+  `reconstruct(*args)` and `__setstate__` (rebuild_inline, pickle's own
+  REDUCE and BUILD); `view(subtype)` (a subclass rebuilt over a mapping).
+- csrc/items.cpp: a pickled item's `load` (the unpickler the reader was
+  given) and `_slice` (a SharedList subclass's own slicing).
+- csrc/plan.cpp: numpy's `dtype.metadata` and `dtype.str` (the dtype that
+  travels).
+- csrc/views.cpp: `_torchshm_owner` set on the tensor that aliases a
+  private mapping (it keeps its owner alive).
+A new call into Python from C++ is a hook in csrc/config.h, or one of these.
 torchshm/__init__.py calls configure() once every module is imported, so no
 module's import wires anything and the import order decides nothing. The
 threshold is the one number that changes at run time (set_threshold).

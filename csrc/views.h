@@ -1,0 +1,128 @@
+// The views of segments that tensors hold: a view keeps its segment's
+// mapping alive and may own a holder slot (segment.h); the tensors, and the
+// Python objects, made over them.
+#pragma once
+
+#include <sys/types.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "segment.h"
+
+namespace torchshm {
+
+// Note [Knowing that nothing was written]
+// A private mapping serves the next message only once the pages this
+// process wrote in it are dropped (they are its own copies, no longer the
+// segment's). Finding them walks the page table (PAGEMAP_SCAN, Linux 6.7+,
+// else /proc/self/pagemap): 4-5 ms per 512 MiB present, 2-core reference
+// machine, because telling a copied page from the file's reads each page's
+// struct page. Two things keep that off the receiver's path:
+// - The walk is skipped when it cannot find anything: a write through a
+//   private mapping of a file always faults (its pages are the file's,
+//   mapped read-only, until the kernel copies one), and the kernel counts
+//   every fault a process takes, whatever thread takes it (getrusage: minor
+//   plus major faults). So if the count is the same when a view dies as
+//   when its mapping was lent to it, in the same process, no page was
+//   copied, provided none was copied before: a mapping is lent only fresh
+//   or walked, so that holds. A pipeline's receiver usually faults
+//   somewhere meanwhile (a DataLoader's main process did, every batch), a
+//   ping-pong receiver does not.
+// - Otherwise the walk runs on a thread of its own as the view dies
+//   (give_back_private), while the receiver goes on; the next message over
+//   that segment waits for it only if it comes first. An ERA5 DataLoader
+//   epoch (benchmarks era5) cost 14% more with the walk on the receiver's
+//   path; with it aside, within the run-to-run noise.
+// What the count cannot see: another process writing this one's memory
+// (process_vm_writev, /proc/<pid>/mem), which faults in the writer; one
+// user's processes are not a boundary (README, Limits). Soft-dirty bits
+// would answer per page without the struct page, but kernels without
+// CONFIG_MEM_SOFT_DIRTY (the reference machine's) never set them, and
+// userfaultfd's write tracking turns off fault-around for the whole mapping
+// (first reads 6x slower) and is refused in Docker's default seccomp.
+struct WriteWatch {
+  pid_t pid = 0;
+  int64_t faults = -1;
+  // This process's fault count now.
+  static WriteWatch now();
+  // Whether this process took no fault since `now()` made this one.
+  bool unchanged() const;
+};
+
+// One live view of a segment: the context of a tensor's storage. It keeps the
+// mapping alive and may own one slot, for the process `pid`. A view over the
+// read-only or private mapping owns no slot: it keeps the view that does
+// alive through that view's storage (`keep`), never through a tensor: a
+// tensor kept by C++ whose Python object dies is resurrected and owned by
+// C++, and torch 1.13 frees it under a weak reference that finds it again.
+struct View {
+  View(std::shared_ptr<Segment> segment, int slot, uint64_t holder,
+       Segment::Mapping kind = Segment::Mapping::kShared,
+       at::Storage keep = at::Storage(), uint8_t* private_data = nullptr);
+  ~View();
+  // Releases the slot now if this process owns it.
+  void disown();
+  // Takes over a slot taken for this process (a forked child's view).
+  void adopt(int slot, uint64_t holder);
+  // The view that owns this one's slot: itself, or its alias's `keep`'s.
+  View& slot_owner();
+
+  std::shared_ptr<Segment> segment;
+  const Segment::Mapping kind;
+  const at::Storage keep;       // the slot owner's storage, for an alias
+  uint8_t* const private_data;  // the private mapping this view owns
+  const WriteWatch lent;        // when private_data was lent to it
+  std::atomic<int> slot;        // -1: owns none
+  std::atomic<uint64_t> holder;
+  std::atomic<pid_t> pid;
+};
+
+// An int8 tensor over the whole data area; the view owns `slot` (or none: -1).
+at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
+                       uint64_t holder);
+// The view behind a tensor's storage, or nullptr if it is not one of ours.
+View* view_of(const at::Tensor& tensor);
+View* view_of(const at::Storage& storage);
+// A new int8 tensor over all of `storage` (a view's).
+at::Tensor tensor_of(at::Storage storage);
+// What a message's arrays are rebuilt over (Note [Snapshots are mapped
+// privately]): for a snapshot, a view over a private mapping of its own if
+// one can be had, else `owner` (a Python tensor over a segment).
+py::object message_owner(py::handle owner, int threads);
+// Whether this process wrote a page of bytes [lo, hi) of the private
+// mapping behind `view` (those pages are its own now, not the segment's);
+// false for any other view.
+bool written_privately(const View* view, int64_t lo, int64_t hi);
+// An int8 tensor over the whole data through mapping `kind`, keeping
+// `owner` (a tensor view_of knows) alive: `owner` itself if it is that
+// mapping's; undefined if that mapping cannot be made here.
+// `threads` as in Segment::take_private.
+at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
+                         int threads = 1);
+// mapped_tensor for a Python tensor `owner`, as a Python tensor (None where
+// the mapping cannot be made). A new one holds `owner` as an attribute: the
+// weak reference callback on `owner` (the receiver's last-view hook,
+// _attach._on_last_view) then fires once the arrays over either are gone,
+// as it does when they all lie over `owner`. A Python reference, not a C++
+// one: see View.
+py::object mapped_object(py::handle owner, Segment::Mapping kind,
+                         int threads = 1);
+
+// The expiry timer of torchshm/_lifetime/expiry.py sleeps without a deadline
+// while every pooled segment has a local view (none can expire). Armed with a
+// pipe fd, the next pooled segment whose last local view dies writes one byte
+// to it and disarms it: one wake-up per such sleep, no syscall per message
+// otherwise. -1 disarms.
+void wake_when_quiet(int fd);
+
+// Segments this process created that no view holds but a message in flight
+// names (kept by the last view's destructor): prune_in_flight lets go of
+// those whose messages were all read or found dead and returns how many are
+// left; torchshm/_lifetime/expiry.py calls it while any are kept.
+int64_t prune_in_flight();
+int64_t in_flight_count();
+
+}  // namespace torchshm
