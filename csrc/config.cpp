@@ -15,23 +15,19 @@ void configure(const Config& config) {
   TORCH_CHECK(!is_configured.load(),
               "torchshm's native side is configured once, at import");
   const SenderPolicy& p = config.policy;
-  TORCH_CHECK(p.threshold >= 0 && p.pack_min >= 0 && p.sparse_ratio >= 1 &&
-                  p.pack_limit >= 0 && p.chunk_start > 0 &&
-                  p.chunk_max >= p.chunk_start && p.alignment > 0 &&
-                  p.copy_threads >= 1,
-              "invalid sender policy: threshold ", p.threshold, ", pack_min ",
-              p.pack_min, ", sparse_ratio ", p.sparse_ratio, ", pack_limit ",
-              p.pack_limit, ", chunk_start ", p.chunk_start, ", chunk_max ",
-              p.chunk_max, ", alignment ", p.alignment, ", copy_threads ",
-              p.copy_threads);
+#define TORCHSHM_CHECK_FIELD(type, name, lowest)                          \
+  TORCH_CHECK(p.name >= (lowest), "invalid sender policy: " #name " is ", \
+              p.name, ", expected at least ", (lowest));
+  TORCHSHM_SENDER_POLICY(TORCHSHM_CHECK_FIELD)
+#undef TORCHSHM_CHECK_FIELD
+  TORCH_CHECK(p.chunk_max >= p.chunk_start, "invalid sender policy: chunk_max ",
+              p.chunk_max, " is below chunk_start ", p.chunk_start);
   const Hooks& h = config.hooks;
   const std::pair<const char*, PyObject*> hooks[] = {
-      {"reduce_other", h.reduce_other},
-      {"reduce_torch_owned", h.reduce_torch_owned},
-      {"fall_back", h.fall_back},
-      {"allocate", h.allocate},
-      {"attach_segment", h.attach_segment},
-      {"born_source", h.born_source}};
+#define TORCHSHM_NAMED(name) {#name, h.name},
+      TORCHSHM_HOOKS(TORCHSHM_NAMED)
+#undef TORCHSHM_NAMED
+  };
   for (const auto& [name, hook] : hooks)
     TORCH_CHECK(hook != nullptr && PyCallable_Check(hook),
                 "expected a callable for hook ", name);

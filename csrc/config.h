@@ -12,46 +12,64 @@ namespace torchshm {
 
 class SegmentPool;
 
-// The sender's numbers (torchshm/_send/sender.py and _config.py say why each is
-// what it is). No member has a default: configure() sets every one.
+// The sender's numbers (torchshm/_send/sender.py and _config.py say why each
+// is what it is), spelled once: the struct, its check, its binding
+// (_C.SenderPolicy, whose FIELDS Python must give, every one) come from this
+// list. Arrays from `threshold` bytes up are shared; below, pickled inline
+// until their message carried `threshold` bytes of arrays of at least
+// `pack_min`. A view spanning more than `sparse_ratio` times its bytes is
+// compacted. Copies from `pack_limit` up get a segment of their own; smaller
+// ones share the message's chunk, which grows from `chunk_start` to
+// `chunk_max`, each copy aligned to `alignment`; large copies are split over
+// `copy_threads`. FIELD(type, name, lowest valid value).
+#define TORCHSHM_SENDER_POLICY(FIELD) \
+  FIELD(int64_t, threshold, 0)        \
+  FIELD(int64_t, pack_min, 0)         \
+  FIELD(int64_t, sparse_ratio, 1)     \
+  FIELD(int64_t, pack_limit, 0)       \
+  FIELD(int64_t, chunk_start, 1)      \
+  FIELD(int64_t, chunk_max, 1)        \
+  FIELD(int64_t, alignment, 1)        \
+  FIELD(int, copy_threads, 1)
+
 struct SenderPolicy {
-  // Arrays from this many bytes up are shared; below, pickled inline until
-  // their message carried this many bytes of arrays of at least pack_min.
-  int64_t threshold;
-  int64_t pack_min;
-  // A view spanning more than this many times its bytes is compacted.
-  int64_t sparse_ratio;
-  // Copies from pack_limit up get a segment of their own; smaller ones share
-  // the message's chunk, which grows from chunk_start to chunk_max.
-  int64_t pack_limit;
-  int64_t chunk_start;
-  int64_t chunk_max;
-  int64_t alignment;
-  int copy_threads;
+#define TORCHSHM_DECLARE(type, name, lowest) type name;
+  TORCHSHM_SENDER_POLICY(TORCHSHM_DECLARE)
+#undef TORCHSHM_DECLARE
 
   // Below this the native reducer returns numpy's own reduce.
   int64_t inline_below() const { return std::min(threshold, pack_min); }
 };
 
-// Python's side of the mechanism: the only Python the native code calls
-// (strong references, never released: the policy lives as long as the
-// interpreter, and a reducer may run during its shutdown).
+// Python's side of the mechanism, the only Python of torchshm's that the
+// native code calls, spelled once like the policy: each HOOK(name) is a
+// callable Python hands over by that name.
+// - reduce_other: (array) -> reduce value, for every array the native
+//   reducer leaves: object dtype, empty. Never raises.
+// - reduce_torch_owned: (tensor, view args) -> reduce value, or None to
+//   copy: the one question about memory a torch tensor owns that torchshm
+//   did not make.
+// - fall_back: (array, exception) -> numpy's reduce, with the one warning.
+// - allocate: nbytes -> segment tensor, when the pool has none idle or is
+//   not armed.
+// - attach_segment: (locator, ticket, generation) -> the segment's tensor
+//   (the wire's rebuild of a SegmentRef).
+// - born_source: nbytes -> (segment tensor, reused) or None: born-shared
+//   memory.
+#define TORCHSHM_HOOKS(HOOK) \
+  HOOK(reduce_other)         \
+  HOOK(reduce_torch_owned)   \
+  HOOK(fall_back)            \
+  HOOK(allocate)             \
+  HOOK(attach_segment)       \
+  HOOK(born_source)
+
+// Strong references, never released: the policy lives as long as the
+// interpreter, and a reducer may run during its shutdown.
 struct Hooks {
-  // (array) -> reduce value, for every array the native reducer leaves:
-  // object dtype, empty. Never raises.
-  PyObject* reduce_other;
-  // (tensor, view args) -> reduce value, or None to copy: the one question
-  // about memory a torch tensor owns that torchshm did not make.
-  PyObject* reduce_torch_owned;
-  // (array, exception) -> numpy's reduce, with the one warning.
-  PyObject* fall_back;
-  // nbytes -> segment tensor, when the pool has none idle or is not armed.
-  PyObject* allocate;
-  // (locator, ticket, generation) -> the segment's tensor (the wire's
-  // rebuild of a SegmentRef).
-  PyObject* attach_segment;
-  // nbytes -> (segment tensor, reused) or None: born-shared memory.
-  PyObject* born_source;
+#define TORCHSHM_DECLARE(name) PyObject* name;
+  TORCHSHM_HOOKS(TORCHSHM_DECLARE)
+#undef TORCHSHM_DECLARE
   // Code objects of the frames that write a pickled message to a
   // Connection (torchshm/_send/channel.py), and how far up to look for one.
   PyObject* writers;

@@ -39,6 +39,12 @@ constexpr uint8_t kItemTag = 0x01;
 constexpr uint8_t kPickleTag = 0x80;
 constexpr int kMaxDepth = 100;
 
+// The two types and the string table's reader (item_encoder.cpp,
+// item_reader.cpp).
+extern PyType_Spec item_encoder_spec;
+extern PyType_Spec item_reader_spec;
+PyObject* read_strings(PyObject* module, PyObject* table);
+
 // Adds ItemEncoder, ItemReader, read_strings and the constants above to the
 // extension module. Returns -1 with a Python error set on failure.
 int add_item_codec(PyObject* module);

@@ -11,6 +11,7 @@
 #include "ndarray.h"
 #include "numpy_api.h"
 #include "python_compat.h"
+#include "rebuild.h"
 #include "segment.h"
 #include "stats.h"
 #include "views.h"
@@ -65,142 +66,13 @@ bool writer_on_stack() {
   return false;
 }
 
-// An array over segment `owner` (a Python tensor) through the mapping its
-// kind asks for (Note [Snapshots are mapped privately] in segment.h); over
-// `owner` itself when it is not a segment's (torch's own storage). A
-// writable array of a snapshot goes over its message's private view
-// (message_owner); a message that could not have it gets a private copy of
-// the segment's bytes.
-py::object rebuild_over_mapping(py::handle owner, int64_t offset,
-                                py::handle dtype,
-                                const std::vector<int64_t>& shape,
-                                const std::vector<int64_t>& strides,
-                                bool writeable) {
-  using Mapping = Segment::Mapping;
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
-  View* view = view_of(tensor);
-  auto over = [&](py::handle mapped, bool writable) {
-    return wrap_ndarray(THPVariable_Unpack(mapped.ptr()), offset, dtype, shape,
-                        strides, writable);
-  };
-  if (view == nullptr) return over(owner, writeable);
-  if (!writeable ||
-      (view->segment->snapshot() && view->kind != Mapping::kPrivate)) {
-    // Read-only arrays over the read-only mapping; a writable one handed the
-    // shared view of a snapshot itself (not through attach) over a private
-    // mapping for it alone, if this process can make one.
-    const py::object mapped =
-        mapped_object(owner, writeable ? Mapping::kPrivate : Mapping::kReadOnly,
-                      config().policy.copy_threads);
-    if (!mapped.is_none()) return over(mapped, writeable);
-    const py::object pristine = mapped_object(owner, Mapping::kReadOnly);
-    TORCH_CHECK(!pristine.is_none(), "cannot map segment ",
-                view->segment->name(), " read-only");
-    if (!writeable) return over(pristine, false);
-    py::object source = over(pristine, false);
-    PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
-    if (copy == nullptr) throw py::error_already_set();
-    count(kArraysCopiedOnReceive);
-    return py::reinterpret_steal<py::object>(copy);
-  }
-  return over(owner, true);
-}
-
-// --- the wire's native functions (named torchshm._reduction.<name>) -------
-
-PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
-                          Py_ssize_t nargs) {
-  if (nargs != 7) {
-    PyErr_Format(PyExc_TypeError,
-                 "rebuild_ndarray expected 7 arguments (owner, offset, dtype, "
-                 "shape, strides, writeable, subtype), got %zd",
-                 nargs);
-    return nullptr;
-  }
-  try {
-    if (!THPVariable_Check(args[0]))
-      throw py::type_error("rebuild_ndarray expected a tensor as owner, got " +
-                           std::string(py::str(py::type::handle_of(args[0]))));
-    const int64_t offset = py::cast<int64_t>(py::handle(args[1]));
-    const auto shape = py::cast<std::vector<int64_t>>(py::handle(args[3]));
-    const auto strides = py::cast<std::vector<int64_t>>(py::handle(args[4]));
-    const int writeable = PyObject_IsTrue(args[5]);
-    if (writeable < 0) throw py::error_already_set();
-    py::object array =
-        rebuild_over_mapping(py::handle(args[0]), offset, py::handle(args[2]),
-                             shape, strides, writeable != 0);
-    count(kArraysReceived);
-    if (args[6] == Py_None) return array.release().ptr();
-    static PyObject* view_name = PyUnicode_InternFromString("view");
-    return PyObject_CallMethodOneArg(array.ptr(), view_name, args[6]);
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-}
-
-PyObject* rebuild_inline(PyObject* /*self*/, PyObject* const* args,
-                         Py_ssize_t nargs) {
-  if (nargs != 4 || !PyTuple_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "rebuild_inline expected (token, reconstruct, args tuple, "
-                    "state)");
-    return nullptr;
-  }
-  PyObject* array = PyObject_Call(args[1], args[2], nullptr);
-  if (array == nullptr) return nullptr;
-  static PyObject* setstate = PyUnicode_InternFromString("__setstate__");
-  PyObject* done = PyObject_CallMethodOneArg(array, setstate, args[3]);
-  if (done == nullptr) {
-    Py_DECREF(array);
-    return nullptr;
-  }
-  Py_DECREF(done);
-  return array;
-}
-
-PyObject* message_token(PyObject* /*self*/, PyObject* /*unused*/) {
-  Py_RETURN_NONE;
-}
-
-PyMethodDef wire_defs[] = {
-    {"rebuild_ndarray", reinterpret_cast<PyCFunction>(rebuild_ndarray),
-     METH_FASTCALL,
-     "Rebuilds an array over `owner`, the int8 tensor of its segment; "
-     "`dtype` is a dtype or its .str, `subtype` None for a plain ndarray."},
-    {"rebuild_inline", reinterpret_cast<PyCFunction>(rebuild_inline),
-     METH_FASTCALL,
-     "Rebuilds an array pickled by value (numpy's own reduce, after the "
-     "token of its message)."},
-    {"message_token", message_token, METH_NOARGS,
-     "Unpickles a message's token: it carries nothing."},
-};
-
-PyObject* wire(int index) {
-  static PyObject* functions[3] = {};
-  if (functions[index] == nullptr) {
-    py::str module("torchshm._reduction");
-    functions[index] = PyCFunction_NewEx(&wire_defs[index], nullptr,
-                                         module.ptr());  // never released
-    if (functions[index] == nullptr) throw py::error_already_set();
-  }
-  return functions[index];
-}
-
 }  // namespace
-
-py::object wire_function(const std::string& name) {
-  for (int i = 0; i < 3; ++i)
-    if (name == wire_defs[i].ml_name)
-      return py::reinterpret_borrow<py::object>(wire(i));
-  throw py::value_error("no wire function " + name);
-}
 
 py::object Message::reduce_shared(py::handle self, py::handle array,
                                   const Placement& placed) {
   py::object segment_ref = ref(self, placed.owner, placed.name);
   return py::make_tuple(
-      py::handle(wire(0)),
+      rebuild_ndarray_function(),
       view_args(array, placed.offset, placed.strides, segment_ref));
 }
 

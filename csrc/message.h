@@ -36,7 +36,8 @@ namespace torchshm {
 // (the plan's kTorchOwned: the reduce_torch_owned hook), for object and
 // empty arrays (reduce_other), and on a failure (fall_back), so that the
 // reducer never raises. The wire's rebuild functions are native too, named as
-// torchshm._reduction names them in every pickle (the wire format).
+// torchshm._reduction names them in every pickle (the wire format):
+// rebuild.cpp.
 //
 // Tickets and the pipe (Note [Segment lifetime]). A ticket issued while a
 // multiprocessing writer's frame is on this thread's stack (Connection.send,
@@ -101,11 +102,5 @@ void forget_written_tickets();
 // The ForkingPickler reducer (a plain C function, so that pickle's C
 // implementation calls it with no Python frame in between).
 py::object fast_reducer();
-
-// The wire's native rebuild functions, named torchshm._reduction.<name>:
-// rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype),
-// and, for pickles of earlier versions, rebuild_inline(token, reconstruct,
-// args, state) and message_token().
-py::object wire_function(const std::string& name);
 
 }  // namespace torchshm

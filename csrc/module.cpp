@@ -1,12 +1,16 @@
 // The native module's bindings: what Python may call of the mechanism in the
-// other files of csrc/ (the wire's rebuilds are bound in message.cpp, which
-// names them torchshm._reduction.<name>), the layout table that
-// tests/test_layout.py holds the keeper's against, and the testing
-// submodule.
+// other files of csrc/. The wire's rebuilds are made in rebuild.cpp (named
+// torchshm._reduction.<name>), the layout table in layout_table.cpp, the
+// testing submodule in testing.cpp.
 #define TORCHSHM_IMPORT_ARRAY
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "allocator.h"
+#include "bindings.h"
 #include "config.h"
 #include "cxx_runtime.h"
 #include "errors.h"
@@ -20,6 +24,7 @@
 #include "parallel.h"
 #include "plan.h"
 #include "pool.h"
+#include "rebuild.h"
 #include "segment.h"
 #include "snapshots.h"
 #include "stats.h"
@@ -72,41 +77,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch") = TORCHSHM_TORCH_VERSION;
   m.attr("built_with_numpy") = TORCHSHM_NUMPY_VERSION;
   m.attr("own_cxx_runtime") = torchshm::own_cxx_runtime();
-  {
-    // Every constant of layout.h, for the keeper's copy and its test.
-    using namespace torchshm;
-    py::dict layout;
-    layout["SEGMENT_MAGIC"] = kSegmentMagic;
-    layout["SLOTS"] = kSlots;
-    layout["SLOT_BYTES"] = sizeof(Slot);
-    layout["SLOTS_OFFSET"] = offsetof(SegmentHeader, slots);
-    layout["SLOT_CHANNEL"] = offsetof(Slot, channel);
-    layout["SLOT_WRITER"] = offsetof(Slot, writer);
-    layout["SLOT_VERDICT"] = offsetof(Slot, verdict);
-    layout["CAPACITY_OFFSET"] = offsetof(SegmentHeader, capacity);
-    layout["CREATOR_OFFSET"] = offsetof(SegmentHeader, creator);
-    layout["UID_OFFSET"] = offsetof(SegmentHeader, uid);
-    layout["GENERATION_OFFSET"] = offsetof(SegmentHeader, generation);
-    layout["UNLINKED_OFFSET"] = offsetof(SegmentHeader, unlinked);
-    layout["SLOTS_USED_OFFSET"] = offsetof(SegmentHeader, slots_used);
-    layout["PINNED_OFFSET"] = offsetof(SegmentHeader, pinned);
-    layout["SNAPSHOT_OFFSET"] = offsetof(SegmentHeader, snapshot);
-    layout["HEADER_BYTES"] = kHeaderBytes;
-    layout["TICKET_BIT"] = kTicketBit;
-    layout["WRITING_BIT"] = kWritingBit;
-    layout["TICKET_SLOT_SHIFT"] = kTicketSlotShift;
-    layout["TICKET_SLOT_MASK"] = kTicketSlotMask;
-    layout["TABLE_MAGIC"] = kTableMagic;
-    layout["TABLE_CAPACITY_OFFSET"] = offsetof(TableHeader, capacity);
-    layout["TABLE_FD_BASE_OFFSET"] = offsetof(TableHeader, fd_base);
-    layout["TABLE_BUDGET_OFFSET"] = kTableBudgetOffset;
-    layout["BUDGET_ENTRIES"] = kBudgetEntries;
-    layout["BUDGET_ENTRY_BYTES"] = sizeof(BudgetEntry);
-    layout["TABLE_UIDS_OFFSET"] = kTableUidsOffset;
-    layout["FLAG_TICKETS"] = kFlagTickets;
-    layout["FLAG_RELEASED"] = kFlagReleased;
-    m.attr("LAYOUT") = layout;
-  }
+  m.attr("LAYOUT") = torchshm::layout_table();
 
   // OSError(errno, message): Python decides by .errno which failures mean
   // "fall back to pickling".
@@ -260,32 +231,59 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nbytes", &SegmentPool::nbytes)
       .def_readwrite("fast_until", &SegmentPool::fast_until);
 
-  // Note [The seam] (torchshm/_native.py): everything, once.
+  // Note [The seam] (torchshm/_native.py): everything, once. The policy's
+  // fields and the hooks' names come from config.h's lists; Python gives
+  // every one by name, and a missing or unknown one is an error.
+  using torchshm::SenderPolicy;
+  py::class_<SenderPolicy> policy(m, "SenderPolicy");
+  std::vector<std::string> fields;
+#define TORCHSHM_BIND(type, name, lowest)          \
+  policy.def_readonly(#name, &SenderPolicy::name); \
+  fields.push_back(#name);
+  TORCHSHM_SENDER_POLICY(TORCHSHM_BIND)
+#undef TORCHSHM_BIND
+  policy.attr("FIELDS") = py::tuple(py::cast(fields));
+  policy.def(py::init([fields](const py::kwargs& given) {
+    for (const auto& [key, value] : given)
+      TORCH_CHECK(std::find(fields.begin(), fields.end(),
+                            py::cast<std::string>(key)) != fields.end(),
+                  "unknown sender policy field ",
+                  py::str(key).cast<std::string>());
+    SenderPolicy p;
+#define TORCHSHM_TAKE(type, name, lowest)                 \
+  TORCH_CHECK(given.contains(#name),                      \
+              "sender policy field " #name " not given"); \
+  p.name = py::cast<type>(given[#name]);
+    TORCHSHM_SENDER_POLICY(TORCHSHM_TAKE)
+#undef TORCHSHM_TAKE
+    return p;
+  }));
+  std::vector<std::string> hook_names;
+#define TORCHSHM_NAME(name) hook_names.push_back(#name);
+  TORCHSHM_HOOKS(TORCHSHM_NAME)
+#undef TORCHSHM_NAME
+  m.attr("HOOKS") = py::tuple(py::cast(hook_names));
   m.def(
       "configure",
-      [](int64_t threshold, int64_t pack_min, int64_t sparse_ratio,
-         int64_t pack_limit, int64_t chunk_start, int64_t chunk_max,
-         int64_t alignment, int copy_threads, py::object reduce_other,
-         py::object reduce_torch_owned, py::object fall_back,
-         py::object allocate, py::object attach_segment, py::object born_source,
-         py::tuple writers, int max_depth, std::shared_ptr<SegmentPool> pool) {
-        torchshm::Config c{
-            torchshm::SenderPolicy{threshold, pack_min, sparse_ratio,
-                                   pack_limit, chunk_start, chunk_max,
-                                   alignment, copy_threads},
-            torchshm::Hooks{reduce_other.ptr(), reduce_torch_owned.ptr(),
-                            fall_back.ptr(), allocate.ptr(),
-                            attach_segment.ptr(), born_source.ptr(),
-                            writers.ptr(), max_depth, std::move(pool)}};
-        torchshm::configure(c);
+      [hook_names](const SenderPolicy& policy, const py::dict& hooks,
+                   py::tuple writers, int max_depth,
+                   std::shared_ptr<SegmentPool> pool) {
+        TORCH_CHECK(py::len(hooks) == hook_names.size(), "expected the hooks ",
+                    py::str(py::cast(hook_names)).cast<std::string>(), ", got ",
+                    py::str(hooks.attr("keys")()).cast<std::string>());
+        torchshm::Hooks h{};
+#define TORCHSHM_TAKE(name)                                       \
+  TORCH_CHECK(hooks.contains(#name), "hook " #name " not given"); \
+  h.name = py::handle(hooks[#name]).ptr();
+        TORCHSHM_HOOKS(TORCHSHM_TAKE)
+#undef TORCHSHM_TAKE
+        h.writers = writers.ptr();
+        h.max_depth = max_depth;
+        h.pool = std::move(pool);
+        torchshm::configure(torchshm::Config{policy, h});
       },
-      py::kw_only(), py::arg("threshold"), py::arg("pack_min"),
-      py::arg("sparse_ratio"), py::arg("pack_limit"), py::arg("chunk_start"),
-      py::arg("chunk_max"), py::arg("alignment"), py::arg("copy_threads"),
-      py::arg("reduce_other"), py::arg("reduce_torch_owned"),
-      py::arg("fall_back"), py::arg("allocate"), py::arg("attach_segment"),
-      py::arg("born_source"), py::arg("writers"), py::arg("max_depth"),
-      py::arg("pool"));
+      py::kw_only(), py::arg("policy"), py::arg("hooks"), py::arg("writers"),
+      py::arg("max_depth"), py::arg("pool"));
   m.def("set_threshold", &torchshm::set_threshold, py::arg("threshold"));
 
   // The sender (plan.h, Note [Sender plan]; message.h, Note [One message,
@@ -364,45 +362,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("offset"), py::arg("dtype"), py::arg("shape"),
         py::arg("strides"), py::arg("writeable"));
 
-  // For tests and benchmarks only: mechanism that no torchshm module calls,
-  // looked at from outside.
-  py::module_ testing = m.def_submodule(
-      "testing", "Native internals for torchshm's tests and benchmarks.");
-  testing.def("lock_path", &torchshm::lock_path, py::arg("id"));
-  testing.def("born_owner", &torchshm::born_owner, py::arg("address"));
-  testing.def("born_blocks", &torchshm::born_blocks);
-  testing.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
-  testing.def("data_address", &torchshm::data_address, py::arg("array"));
-  testing.def("copy_extent", &torchshm::copy_extent, py::arg("array"),
-              py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
-  testing.def(
-      "place",
-      [](py::handle array) -> py::tuple {
-        torchshm::Message message;
-        torchshm::Placement p = message.plan.place(array);
-        const char* kinds[] = {"segment", "torch_owned", "copied"};
-        if (p.kind == torchshm::Placement::kTorchOwned)
-          return py::make_tuple(kinds[p.kind], p.owner, p.offset);
-        return py::make_tuple(kinds[p.kind], p.owner, p.name,
-                              torchshm::view_args(array, p.offset, p.strides));
-      },
-      py::arg("array"),
-      "Plan::place in a fresh message: (kind, owner, name, view args), or "
-      "(\"torch_owned\", tensor, offset).");
-  testing.def("hook_calls", &torchshm::hook_calls,
-              "Calls from C++ into torchshm's Python hooks so far.");
-  testing.def("reset_hook_calls", &torchshm::reset_hook_calls);
-  testing.def("sender_policy", [] {
-    const torchshm::SenderPolicy& p = torchshm::config().policy;
-    py::dict out;
-    out["threshold"] = p.threshold;
-    out["pack_min"] = p.pack_min;
-    out["sparse_ratio"] = p.sparse_ratio;
-    out["pack_limit"] = p.pack_limit;
-    out["chunk_start"] = p.chunk_start;
-    out["chunk_max"] = p.chunk_max;
-    out["alignment"] = p.alignment;
-    out["copy_threads"] = p.copy_threads;
-    return out;
-  });
+  // For tests and benchmarks only (testing.cpp).
+  torchshm::add_testing_module(m);
 }

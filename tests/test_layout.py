@@ -14,6 +14,7 @@ import os
 import re
 
 import numpy as np
+import pytest
 from multiprocessing.reduction import ForkingPickler
 
 import torchshm
@@ -85,7 +86,8 @@ def test_the_native_sender_works_by_the_python_policy():
     # the native side keeps no copy of its own that could drift.
     from torchshm._send import sender as _sender
 
-    assert _C.testing.sender_policy() == _sender.policy()
+    native = _C.testing.sender_policy()
+    assert {f: getattr(native, f) for f in _C.SenderPolicy.FIELDS} == _sender.policy()
     pool = torchshm._lifetime.holdings.pool.native
     classes = torchshm._lifetime.pool._CLASSES
     for n in (1, classes["min_class"], 3 * classes["min_class"] + 1, 5 << 20):
@@ -138,3 +140,17 @@ def test_a_segment_mapping_carries_the_name_doctor_looks_for():
     assert any(re.match(pattern, n) for n in names), sorted(names)[:20]
     assert _doctor.segment_pss() > 0
     del loaded
+
+
+def test_every_policy_field_is_given_by_name_or_the_policy_is_refused():
+    from torchshm._send import sender as _sender
+
+    given = _sender.policy()
+    assert set(given) == set(_C.SenderPolicy.FIELDS)
+    assert _C.SenderPolicy(**given).chunk_max == given["chunk_max"]
+    for missing in given:
+        partial = {k: v for k, v in given.items() if k != missing}
+        with pytest.raises(RuntimeError, match=f"{missing} not given"):
+            _C.SenderPolicy(**partial)
+    with pytest.raises(RuntimeError, match="unknown sender policy field extra"):
+        _C.SenderPolicy(**given, extra=1)

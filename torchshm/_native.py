@@ -13,16 +13,18 @@ C++ also calls Python that is not torchshm's: the protocols of the objects
 it moves, which decide nothing of torchshm's: eight, each where pickle or
 numpy itself would make it:
 - csrc/message.cpp: an object's `__reduce__` (reduce_with_token and the
-  sender's two fallbacks: numpy's own reduce of a small or odd array);
-  `reconstruct(*args)` and `__setstate__` (rebuild_inline, pickle's own
-  REDUCE and BUILD); `view(subtype)` (a subclass rebuilt over a mapping).
-- csrc/items.cpp: a pickled item's `load` (the unpickler the reader was
-  given) and `_slice` (a SharedList subclass's own slicing).
+  sender's two fallbacks: numpy's own reduce of a small or odd array).
+- csrc/rebuild.cpp: `reconstruct(*args)` and `__setstate__`
+  (rebuild_inline, pickle's own REDUCE and BUILD); `view(subtype)` (a
+  subclass rebuilt over a mapping).
+- csrc/item_reader.cpp: a pickled item's `load` (the unpickler the reader
+  was given) and `_slice` (a SharedList subclass's own slicing).
 - csrc/plan.cpp: numpy's `dtype.metadata` and `dtype.str` (the dtype that
   travels).
 - csrc/views.cpp: `_torchshm_owner` set on the tensor that aliases a
   private mapping (it keeps its owner alive).
-A new call into Python from C++ is a hook in csrc/config.h, or one of these.
+A new call into Python from C++ is a hook in csrc/config.h, or one of these
+(tests/test_imports.py counts them by file).
 torchshm/__init__.py calls configure() once every module is imported, so no
 module's import wires anything and the import order decides nothing. The
 threshold is the one number that changes at run time (set_threshold).
@@ -42,7 +44,13 @@ def configure(*, policy, hooks, writers, max_depth, pool):
     and every hook (`hooks`: name -> callable, as csrc/config.h lists them),
     the writer frames (_channel.WRITERS) and the sender's pool, in one call.
     Called once, by torchshm/__init__.py."""
-    _C.configure(**policy, **hooks, writers=writers, max_depth=max_depth, pool=pool)
+    _C.configure(
+        policy=_C.SenderPolicy(**policy),
+        hooks=hooks,
+        writers=writers,
+        max_depth=max_depth,
+        pool=pool,
+    )
 
 
 def set_threshold(threshold):
