@@ -101,7 +101,7 @@ py::tuple SegmentRef::reduce() const {
   if (!view->segment->unlinked()) {
     try {
       // A writer to watch only where the write is known to go through
-      // _channel.py's hook: a message that goes another way keeps its
+      // _send/channel.py's hook: a message that goes another way keeps its
       // ticket until the session ends.
       const uint64_t writer = writer_on_stack() ? self_id() : 0;
       ticket = view->segment->issue_ticket(0, writer);

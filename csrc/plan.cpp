@@ -68,7 +68,7 @@ py::object take_pooled(int64_t nbytes) {
   at::Tensor tensor = pool->take(nbytes, /*thorough=*/false);
   if (!tensor.defined()) return py::none();
   py::object owner = py::cast(tensor);
-  // As _segments.allocate_block records it (Note [Live views]).
+  // As _lifetime/segments.py (allocate_block) records it (Note [Live views]).
   live_views().remember(view_of(tensor)->segment->name(), owner, py::none());
   count(kSegmentsReused);
   return owner;

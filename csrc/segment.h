@@ -43,9 +43,9 @@
 //   reference, once per message. A ticket whose message a multiprocessing
 //   writer is pickling carries the writer, marked "being written" until the
 //   write has returned, and the pipe, named just before the write starts
-//   (Note [One message, one snapshot] in message.h; _channel.py); a message
-//   on this thread that starts while its predecessor's tickets are still
-//   being written cancels them (that message was never written).
+//   (Note [One message, one snapshot] in message.h; _send/channel.py); a
+//   message on this thread that starts while its predecessor's tickets are
+//   still being written cancels them (that message was never written).
 // - A receiver claims the ticket: one CAS turns the word into its own id,
 //   and its view owns that slot. A process holding the segment already
 //   cancels the ticket instead.
@@ -154,7 +154,7 @@
 //   idle one (whose written pages are dropped first, MADV_DONTNEED: it reads
 //   the segment again) or, while that one is in use, a new one from this
 //   process's fd (the creator's), or from the segment opened again for an
-//   instant (a receiver keeps no fd: _attach._ensure_private_mapping). Only
+//   instant (a receiver keeps no fd: _lifetime/attach.py). Only
 //   if that open fails are a message's writable arrays copied (counted as
 //   arrays_copied_on_receive). A process
 //   sending on a private array sends a reference only while no page of it

@@ -105,9 +105,9 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
 // mapped_tensor for a Python tensor `owner`, as a Python tensor (None where
 // the mapping cannot be made). A new one holds `owner` as an attribute: the
 // weak reference callback on `owner` (the receiver's last-view hook,
-// _attach._on_last_view) then fires once the arrays over either are gone,
-// as it does when they all lie over `owner`. A Python reference, not a C++
-// one: see View.
+// _lifetime/attach.py: _on_last_view) then fires once the arrays over either
+// are gone, as it does when they all lie over `owner`. A Python reference, not
+// a C++ one: see View.
 py::object mapped_object(py::handle owner, Segment::Mapping kind,
                          int threads = 1);
 
