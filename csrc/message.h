@@ -61,7 +61,7 @@ class Message {
   // keep alive.
   // (rebuild_ndarray, (SegmentRef, view args...)) for an array placed in a
   // segment (kSegment or kCopied).
-  py::object reduce_shared(py::handle self, py::handle array,
+  py::object reduce_shared(py::handle self, PyArrayObject* array,
                            const Placement& placed);
   // This message's reference to segment `name` (owner: a tensor over it).
   py::object ref(py::handle self, py::object owner, py::object name);
@@ -102,5 +102,12 @@ void forget_written_tickets();
 // The ForkingPickler reducer (a plain C function, so that pickle's C
 // implementation calls it with no Python frame in between).
 py::object fast_reducer();
+
+// rebuild_ndarray's arguments after the owner: (offset, dtype, shape,
+// strides, writeable, subtype), with `first` in front when given. The one
+// place that decides how a dtype travels (see the definition).
+py::tuple view_args(PyArrayObject* array, int64_t offset,
+                    const std::vector<npy_intp>& strides = {},
+                    py::handle first = py::handle());
 
 }  // namespace torchshm

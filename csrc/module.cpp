@@ -305,8 +305,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "view_args",
       [](py::handle array, int64_t offset) {
-        TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray");
-        return torchshm::view_args(array, offset);
+        return torchshm::view_args(torchshm::as_ndarray(array), offset);
       },
       py::arg("array"), py::arg("offset"));
 

@@ -42,52 +42,26 @@ std::pair<int64_t, int64_t> extent_of(int64_t itemsize,
   return {lo, hi};
 }
 
-// Below this, one thread copies: starting threads costs more than it saves.
-constexpr int64_t kMinBytesPerThread = 8 << 20;
-// One memcpy call of a few hundred MiB takes glibc's largest-copy path, which
-// ran at half speed here (a one-off measurement, 512 MiB: 72 ms as two calls,
-// 38 ms in 64 MiB blocks); blocks of this size stay on the fast path
-// (`python -m benchmarks.micro` measures the result).
-constexpr int64_t kBlockBytes = 32 << 20;
-
-void blocked_memcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
-  for (int64_t done = 0; done < n; done += kBlockBytes) {
-    std::memcpy(dst + done, src + done, std::min(kBlockBytes, n - done));
-  }
-}
-
 }  // namespace
 
-void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
-  parallel_chunks(n, threads, kMinBytesPerThread, 1,
-                  [=](int64_t begin, int64_t len) {
-                    blocked_memcpy(dst + begin, src + begin, len);
-                  });
-}
-
-std::pair<int64_t, int64_t> byte_extent(py::handle array) {
-  PyArrayObject* arr = as_ndarray(array);
+std::pair<int64_t, int64_t> byte_extent(PyArrayObject* arr) {
   const int nd = PyArray_NDIM(arr);
   std::vector<int64_t> shape(PyArray_DIMS(arr), PyArray_DIMS(arr) + nd);
   std::vector<int64_t> strides(PyArray_STRIDES(arr), PyArray_STRIDES(arr) + nd);
   return extent_of(PyArray_ITEMSIZE(arr), shape, strides);
 }
 
-int64_t data_address(py::handle array) {
-  return reinterpret_cast<int64_t>(PyArray_DATA(as_ndarray(array)));
-}
-
 void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
                  int threads) {
-  const auto [lo, hi] = byte_extent(array);
+  PyArrayObject* a = as_ndarray(array);
+  const auto [lo, hi] = byte_extent(a);
   const int64_t n = hi - lo;
   TORCH_CHECK(dest.is_contiguous() && dest.scalar_type() == at::kChar,
               "expected a contiguous int8 tensor as destination");
   TORCH_CHECK(dest_offset >= 0 && dest_offset + n <= dest.numel(), "copy of ",
               n, " bytes at offset ", dest_offset,
               " overflows a destination of ", dest.numel(), " bytes");
-  const auto* src =
-      static_cast<const uint8_t*>(PyArray_DATA(as_ndarray(array))) + lo;
+  const auto* src = static_cast<const uint8_t*>(PyArray_DATA(a)) + lo;
   auto* dst = static_cast<uint8_t*>(dest.data_ptr()) + dest_offset;
   // The caller's reference keeps `array` alive while the GIL is released.
   py::gil_scoped_release no_gil;

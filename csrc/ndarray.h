@@ -13,22 +13,17 @@
 namespace torchshm {
 
 // The ndarray behind a handle (a subclass too); anything else is an error.
+// Checked once, where a handle comes in: past it, code takes the array.
 PyArrayObject* as_ndarray(py::handle obj);
 
 // The bytes a view spans, as [lo, hi) offsets from its data pointer: lo <= 0
 // when some stride is negative. A zero-size array spans nothing: (0, 0).
-std::pair<int64_t, int64_t> byte_extent(py::handle array);
-
-// The array's data pointer as an integer (for grouping views of one buffer).
-int64_t data_address(py::handle array);
+std::pair<int64_t, int64_t> byte_extent(PyArrayObject* array);
 
 // Copies the bytes `array` spans into `dest` (a contiguous int8 tensor) at
 // `dest_offset`. Runs without the GIL and splits large copies over `threads`.
 void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
                  int threads);
-
-// Copies n bytes, split over `threads` when large. Call without the GIL.
-void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads);
 
 // An ndarray over `owner` (a contiguous int8 tensor) whose first element is at
 // byte `offset`; the array's base is `owner`, which keeps the memory alive.

@@ -105,4 +105,7 @@ bool start_detached_worker(Work work) {
   return started;
 }
 
+// Copies n bytes, split over `threads` when large. Call without the GIL.
+void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int threads);
+
 }  // namespace torchshm

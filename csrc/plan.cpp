@@ -18,12 +18,6 @@
 namespace torchshm {
 namespace {
 
-py::tuple int_tuple(const npy_intp* values, int n) {
-  py::tuple out(n);
-  for (int i = 0; i < n; ++i) out[i] = py::int_(values[i]);
-  return out;
-}
-
 // Dense strides that keep the array's axis order (C, F or other).
 std::vector<npy_intp> compact_strides(PyArrayObject* a) {
   const int nd = PyArray_NDIM(a);
@@ -51,13 +45,9 @@ py::object segment_name(const at::Tensor& tensor) {
   return py::str(view->segment->name());
 }
 
-// Whether `array` (at `offset` of its view's storage) lies over private
-// pages of a snapshot that this process wrote: they are not the segment's
-// bytes, so a reference would send the segment's instead.
-bool written_privately(View* view, py::handle array, int64_t offset) {
-  if (view->kind != Segment::Mapping::kPrivate) return false;
-  const auto [lo, hi] = byte_extent(array);
-  return torchshm::written_privately(view, offset + lo, offset + hi);
+// An array's data pointer as an integer (offsets are differences of these).
+int64_t address_of(PyArrayObject* array) {
+  return reinterpret_cast<int64_t>(PyArray_DATA(array));
 }
 
 // A view over an idle pooled segment, taken without entering Python, or
@@ -78,60 +68,26 @@ py::object take_pooled(int64_t nbytes) {
 
 bool set_sharing(bool on) { return std::exchange(sharing, on); }
 
-// A builtin dtype travels as its .str, which round-trips it exactly unless it
-// has fields, a sub-array or metadata, and pickles in a fraction of the time
-// of a dtype object. User-registered dtypes (num >= NPY_USERDEF) and
-// new-style ones (num -1) have a .str that names only their bytes.
-py::tuple view_args(py::handle array, int64_t offset,
-                    const std::vector<npy_intp>& strides, py::handle first) {
-  PyArrayObject* a = as_ndarray(array);
-  PyArray_Descr* descr = PyArray_DESCR(a);
-  py::handle d(reinterpret_cast<PyObject*>(descr));
-  py::object dtype = py::reinterpret_borrow<py::object>(d);
-  if (descr->type_num >= 0 && descr->type_num < NPY_USERDEF &&
-      !PyDataType_HASFIELDS(descr) && !PyDataType_HASSUBARRAY(descr) &&
-      d.attr("metadata").is_none())
-    dtype = d.attr("str");
-  const int nd = PyArray_NDIM(a);
-  py::object subtype =
-      Py_TYPE(array.ptr()) == &PyArray_Type
-          ? py::none()
-          : py::reinterpret_borrow<py::object>(
-                reinterpret_cast<PyObject*>(Py_TYPE(array.ptr())));
-  py::tuple out(first ? 7 : 6);
-  int i = 0;
-  if (first) out[i++] = py::reinterpret_borrow<py::object>(first);
-  out[i++] = py::int_(offset);
-  out[i++] = std::move(dtype);
-  out[i++] = int_tuple(PyArray_DIMS(a), nd);
-  out[i++] =
-      int_tuple(strides.empty() ? PyArray_STRIDES(a) : strides.data(), nd);
-  out[i++] = py::bool_(PyArray_ISWRITEABLE(a));
-  out[i++] = std::move(subtype);
-  return out;
-}
-
 // Where an array's memory lives in a torchshm segment, if it does: the only
 // place the sender decides "this memory is a segment"; everything after it
 // works from the returned tensor (offsets are relative to its storage).
 // Memory the NumPy allocator placed in a segment (Note [Born shared]) is
 // owned by the array itself: the chain ends at `nearest`, with no base.
-at::Tensor lookup_segment_owner(py::handle root, py::handle nearest) {
+at::Tensor lookup_segment_owner(py::handle root, PyArrayObject* nearest) {
   if (root && THPVariable_Check(root.ptr())) {
     const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
     if (view_of(tensor) != nullptr) return tensor;
   }
-  if (!root) return born_tensor(PyArray_DATA(as_ndarray(nearest)));
+  if (!root) return born_tensor(PyArray_DATA(nearest));
   return at::Tensor();
 }
 
-std::pair<py::handle, py::handle> base_chain(py::handle array) {
-  py::handle nearest = array;
-  py::handle root(reinterpret_cast<PyObject*>(PyArray_BASE(as_ndarray(array))));
+std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array) {
+  PyArrayObject* nearest = array;
+  py::handle root(reinterpret_cast<PyObject*>(PyArray_BASE(array)));
   while (root && PyArray_Check(root.ptr())) {
-    nearest = root;
-    root =
-        py::handle(reinterpret_cast<PyObject*>(PyArray_BASE(as_ndarray(root))));
+    nearest = reinterpret_cast<PyArrayObject*>(root.ptr());
+    root = py::handle(reinterpret_cast<PyObject*>(PyArray_BASE(nearest)));
   }
   return {root, nearest};
 }
@@ -139,17 +95,17 @@ std::pair<py::handle, py::handle> base_chain(py::handle array) {
 py::object memory_owner(py::handle array) {
   TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
               std::string(py::str(py::type::handle_of(array))));
-  auto [root, nearest] = base_chain(array);
+  auto [root, nearest] =
+      base_chain(reinterpret_cast<PyArrayObject*>(array.ptr()));
   if (root && THPVariable_Check(root.ptr()))
     return py::reinterpret_borrow<py::object>(root);
   const at::Tensor owner = lookup_segment_owner(root, nearest);
   return owner.defined() ? py::cast(owner) : py::none();
 }
 
-Placement Plan::place(py::handle array) {
-  TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
-              std::string(py::str(py::type::handle_of(array))));
+Placement Plan::place(PyArrayObject* array) {
   auto [root, nearest] = base_chain(array);
+  const auto extent = byte_extent(array);
   const at::Tensor owner = lookup_segment_owner(root, nearest);
   if (owner.defined()) {
     // A segment whose name is gone (its session ended) cannot be mapped
@@ -158,10 +114,15 @@ Placement Plan::place(py::handle array) {
     // Relative to the storage, not to `owner`, which may start at an
     // offset into it (a slice of a received array's base).
     const int64_t offset =
-        data_address(array) -
+        address_of(array) -
         reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
+    // Pages of a private mapping that this process wrote are its own, not
+    // the segment's: a reference would send the segment's bytes instead.
+    const bool written =
+        view->kind == Segment::Mapping::kPrivate &&
+        written_privately(view, offset + extent.first, offset + extent.second);
     if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
-        !written_privately(view, array, offset)) {
+        !written) {
       count(kArraysResent);
       py::object ref_owner = root && THPVariable_Check(root.ptr())
                                  ? py::reinterpret_borrow<py::object>(root)
@@ -177,7 +138,7 @@ Placement Plan::place(py::handle array) {
   } else if (root && THPVariable_Check(root.ptr())) {
     const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
     const int64_t offset =
-        data_address(array) -
+        address_of(array) -
         reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
     return Placement{Placement::kTorchOwned,
                      py::reinterpret_borrow<py::object>(root),
@@ -187,23 +148,26 @@ Placement Plan::place(py::handle array) {
                      root,
                      nearest};
   }
-  return copy_view(array, root, nearest);
+  return copy_view(array, extent, root, nearest);
 }
 
-Placement Plan::copy(py::handle array, const Placement& torch_owned) {
+Placement Plan::copy(PyArrayObject* array, const Placement& torch_owned) {
   TORCH_CHECK(torch_owned.kind == Placement::kTorchOwned,
               "expected a placement of torch-owned memory to copy");
-  return copy_view(array, torch_owned.root, torch_owned.nearest);
+  return copy_view(array, byte_extent(array), torch_owned.root,
+                   torch_owned.nearest);
 }
 
-Placement Plan::copy_view(py::handle array, py::handle root,
-                          py::handle nearest) {
-  PyArrayObject* a = as_ndarray(array);
-  auto [lo, hi] = byte_extent(array);
-  const int64_t nbytes = PyArray_NBYTES(a);
+Placement Plan::copy_view(PyArrayObject* array,
+                          std::pair<int64_t, int64_t> extent, py::handle root,
+                          PyArrayObject* nearest) {
+  auto [lo, hi] = extent;
+  const int64_t nbytes = PyArray_NBYTES(array);
   const SenderPolicy& policy = config().policy;
   if (hi - lo > policy.sparse_ratio * nbytes) return copy_compacted(array);
-  py::handle key = root && root.ptr() != Py_None ? root : nearest;
+  py::handle key = root && root.ptr() != Py_None
+                       ? root
+                       : py::handle(reinterpret_cast<PyObject*>(nearest));
   auto found = roots_.find(key.ptr());
   if (found == roots_.end()) {
     found = roots_
@@ -212,7 +176,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
                 .first;
   }
   Root& entry = found->second;
-  int64_t start = data_address(array);
+  int64_t start = address_of(array);
   for (const Copy& c : entry.copies) {
     if (c.lo <= start + lo && start + hi <= c.hi) {
       count(kArraysResent);
@@ -227,13 +191,12 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   }
   // Copy the whole buffer when this view covers most of it, so that other
   // views of it in this message share the copy; else only this view's span.
-  py::handle source = array;
-  const auto [near_lo, near_hi] = byte_extent(nearest);
-  const int64_t near_start = data_address(nearest);
+  const auto [near_lo, near_hi] =
+      nearest == array ? extent : byte_extent(nearest);
+  const int64_t near_start = address_of(nearest);
   if (near_start + near_lo <= start + lo &&
       start + hi <= near_start + near_hi &&
       2 * (hi - lo) >= near_hi - near_lo) {
-    source = nearest;
     lo = near_lo;
     hi = near_hi;
     start = near_start;
@@ -247,7 +210,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
       const Target target = target_of(owner);
       count(kSnapshotsResent);
       entry.copies.push_back(Copy{start + lo, start + hi, at, target});
-      const int64_t offset = at + data_address(array) - (start + lo);
+      const int64_t offset = at + address_of(array) - (start + lo);
       return Placement{Placement::kCopied,
                        target.owner,
                        target.name,
@@ -260,7 +223,7 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   auto [target, at] = reserve(n);
   const auto* src = reinterpret_cast<const uint8_t*>(start + lo);
   {
-    // The caller's reference keeps `array` (and so `source`) alive.
+    // The caller's reference keeps `array` (and so its base chain) alive.
     py::gil_scoped_release no_gil;
     target.segment->fill(at, src, n, policy.copy_threads);
   }
@@ -269,13 +232,12 @@ Placement Plan::copy_view(py::handle array, py::handle root,
   if (remembered)
     snapshots().remember(key, start + lo, start + hi, target.segment, at);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
-  const int64_t offset = at + data_address(array) - (start + lo);
+  const int64_t offset = at + address_of(array) - (start + lo);
   return Placement{
       Placement::kCopied, target.owner, target.name, offset, {}, root, nearest};
 }
 
-Placement Plan::copy_compacted(py::handle array) {
-  PyArrayObject* a = as_ndarray(array);
+Placement Plan::copy_compacted(PyArrayObject* a) {
   std::vector<npy_intp> strides = compact_strides(a);
   const int64_t nbytes = PyArray_NBYTES(a);
   auto [target, at] = reserve(nbytes);
@@ -301,12 +263,13 @@ Placement Plan::copy_compacted(py::handle array) {
       &PyArray_Type, dst_descr, PyArray_NDIM(a), PyArray_DIMS(a),
       strides.data(), target.data + at, NPY_ARRAY_WRITEABLE, nullptr));
   if (!dest) throw py::error_already_set();
-  if (PyArray_CopyInto(as_ndarray(dest), as_ndarray(source)) != 0)
+  if (PyArray_CopyInto(reinterpret_cast<PyArrayObject*>(dest.ptr()),
+                       reinterpret_cast<PyArrayObject*>(source.ptr())) != 0)
     throw py::error_already_set();
   count(kArraysShared);
   count(kBytesCopied, nbytes);
   return Placement{Placement::kCopied, target.owner, target.name, at,
-                   std::move(strides), py::handle(), py::handle()};
+                   std::move(strides), py::handle(), nullptr};
 }
 
 Plan::Target Plan::target_of(const py::object& owner) {

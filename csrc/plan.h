@@ -58,15 +58,15 @@ struct Placement {
   std::vector<npy_intp> strides;  // rebuilt with these (empty: its own)
   // The base chain, for Plan::copy after a kTorchOwned answer.
   py::handle root;
-  py::handle nearest;
+  PyArrayObject* nearest = nullptr;
 };
 
 class Plan {
  public:
   // Places one array (see the Note).
-  Placement place(py::handle array);
+  Placement place(PyArrayObject* array);
   // Copies an array that place() answered kTorchOwned for.
-  Placement copy(py::handle array, const Placement& torch_owned);
+  Placement copy(PyArrayObject* array, const Placement& torch_owned);
 
  private:
   struct Target {
@@ -86,8 +86,10 @@ class Plan {
   };
 
   static Target target_of(const py::object& owner);
-  Placement copy_view(py::handle array, py::handle root, py::handle nearest);
-  Placement copy_compacted(py::handle array);
+  // `extent`: byte_extent(array), found once by place().
+  Placement copy_view(PyArrayObject* array, std::pair<int64_t, int64_t> extent,
+                      py::handle root, PyArrayObject* nearest);
+  Placement copy_compacted(PyArrayObject* array);
   // A target and offset for nbytes: the chunk, or a segment of its own.
   std::pair<Target, int64_t> reserve(int64_t nbytes);
 
@@ -100,16 +102,9 @@ class Plan {
 // the previous mode.
 bool set_sharing(bool on);
 
-// rebuild_ndarray's arguments after the owner: (offset, dtype, shape,
-// strides, writeable, subtype), with `first` in front when given. The one
-// place that decides how a dtype travels (see the definition).
-py::tuple view_args(py::handle array, int64_t offset,
-                    const std::vector<npy_intp>& strides = {},
-                    py::handle first = py::handle());
-
 // The end of an array's base chain: (the object owning its memory, or null;
 // the ndarray nearest to it).
-std::pair<py::handle, py::handle> base_chain(py::handle array);
+std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array);
 
 // The tensor owning an array's memory, or None: its torchshm segment's view
 // (received, shared or born there) or the root torch tensor of memory
@@ -119,6 +114,6 @@ py::object memory_owner(py::handle array);
 // The tensor over the torchshm segment that holds an array's memory, or an
 // undefined tensor (see the definition: the one place a second source of
 // segment memory plugs in).
-at::Tensor lookup_segment_owner(py::handle root, py::handle nearest);
+at::Tensor lookup_segment_owner(py::handle root, PyArrayObject* nearest);
 
 }  // namespace torchshm

@@ -16,20 +16,29 @@ void add_testing_module(py::module_& m) {
   testing.def("lock_path", &torchshm::lock_path, py::arg("id"));
   testing.def("born_owner", &torchshm::born_owner, py::arg("address"));
   testing.def("born_blocks", &torchshm::born_blocks);
-  testing.def("byte_extent", &torchshm::byte_extent, py::arg("array"));
-  testing.def("data_address", &torchshm::data_address, py::arg("array"));
+  testing.def(
+      "byte_extent",
+      [](py::handle array) { return byte_extent(as_ndarray(array)); },
+      py::arg("array"));
+  testing.def(
+      "data_address",
+      [](py::handle array) {
+        return reinterpret_cast<int64_t>(PyArray_DATA(as_ndarray(array)));
+      },
+      py::arg("array"));
   testing.def("copy_extent", &torchshm::copy_extent, py::arg("array"),
               py::arg("dest"), py::arg("dest_offset"), py::arg("threads") = 1);
   testing.def(
       "place",
       [](py::handle array) -> py::tuple {
         torchshm::Message message;
-        torchshm::Placement p = message.plan.place(array);
+        PyArrayObject* a = as_ndarray(array);
+        torchshm::Placement p = message.plan.place(a);
         const char* kinds[] = {"segment", "torch_owned", "copied"};
         if (p.kind == torchshm::Placement::kTorchOwned)
           return py::make_tuple(kinds[p.kind], p.owner, p.offset);
         return py::make_tuple(kinds[p.kind], p.owner, p.name,
-                              torchshm::view_args(array, p.offset, p.strides));
+                              torchshm::view_args(a, p.offset, p.strides));
       },
       py::arg("array"),
       "Plan::place in a fresh message: (kind, owner, name, view args), or "

@@ -13,14 +13,14 @@ C++ also calls Python that is not torchshm's: the protocols of the objects
 it moves, which decide nothing of torchshm's: eight, each where pickle or
 numpy itself would make it:
 - csrc/message.cpp: an object's `__reduce__` (reduce_with_token and the
-  sender's two fallbacks: numpy's own reduce of a small or odd array).
+  sender's two fallbacks: numpy's own reduce of a small or odd array);
+  numpy's `dtype.metadata` and `dtype.str` (view_args: the dtype that
+  travels).
 - csrc/rebuild.cpp: `reconstruct(*args)` and `__setstate__`
   (rebuild_inline, pickle's own REDUCE and BUILD); `view(subtype)` (a
   subclass rebuilt over a mapping).
 - csrc/item_reader.cpp: a pickled item's `load` (the unpickler the reader
   was given) and `_slice` (a SharedList subclass's own slicing).
-- csrc/plan.cpp: numpy's `dtype.metadata` and `dtype.str` (the dtype that
-  travels).
 - csrc/views.cpp: `_torchshm_owner` set on the tensor that aliases a
   private mapping (it keeps its owner alive).
 A new call into Python from C++ is a hook in csrc/config.h, or one of these
