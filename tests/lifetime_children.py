@@ -139,6 +139,15 @@ def create_and_wait(outbox, count, nbytes, with_messages):
     time.sleep(120)
 
 
+def load_and_report(data, outbox):
+    """Loads message bytes and reports the value it carries (or the error)."""
+    try:
+        array = pickle.loads(data)
+        outbox.put(float(array[-1]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outbox.put(repr(exc))
+
+
 def send_stalled(conn, nbytes, ready):
     """Sends an array and a _Stall in one message: dies while pickling."""
     conn.send([np.full(nbytes // 8, 1.0), _Stall(ready)])

@@ -590,7 +590,7 @@ def test_a_message_written_before_its_segment_is_registered_still_dies():
     )
 
 
-@pytest.mark.parametrize("asked", ["fetch", "status"])
+@pytest.mark.parametrize("asked", ["fetch", "status", "two fetches"])
 def test_the_keeper_answers_after_every_registration_sent_before_the_question(asked):
     # A process creates segments faster than the keeper reads, sends them and
     # dies: their registrations wait on its connection. A receiver's fetch of
@@ -606,17 +606,34 @@ def test_the_keeper_answers_after_every_registration_sent_before_the_question(as
     waking = threading.Timer(0.5, os.kill, (keeper, signal.SIGCONT))
     p = ctx.Process(
         target=lifetime_children.create_and_wait,
-        args=(outbox, count, 1 << 16, asked == "fetch"),
+        args=(outbox, count, 1 << 16, asked != "status"),
     )
     try:
         p.start()
         names, messages = outbox.get(timeout=TIMEOUT)
-        if asked == "fetch":
+        if asked != "status":
             # Its fds gone with it, only the keeper can hand the segments out.
             p.kill()
             p.join(TIMEOUT)
+        if asked == "two fetches":
+            # A second receiver asks on a connection of its own: its fetch is
+            # served while the first one's wait reads the registrations.
+            other = ctx.Process(
+                target=lifetime_children.load_and_report,
+                args=(messages[count - 2], outbox),
+            )
+            other.start()
+            time.sleep(0.3)  # it has asked
         waking.start()  # after this process has asked, below
-        if asked == "fetch":
+        if asked == "two fetches":
+            array = pickle.loads(messages[count - 1])
+            assert array[-1] == count - 1 and torchshm.is_shared(array)
+            del array
+            assert outbox.get(timeout=TIMEOUT) == count - 2
+            other.join(TIMEOUT)
+            for i in range(count - 2):  # the rest, so that no ticket is left
+                assert pickle.loads(messages[i])[-1] == i
+        elif asked == "fetch":
             for i in reversed(range(count)):
                 array = pickle.loads(messages[i])
                 assert array[0] == i and array[-1] == i

@@ -117,6 +117,7 @@ class Keeper:
         self.starter = os.getppid()
         self.alone_since = now  # no member connected since
         self.draining = False
+        self.after_drain = []  # answers to give once the drain is done
 
     # ---- segments
 
@@ -332,27 +333,42 @@ class Keeper:
                 self.register(int(words[1]), int(words[2], 16), fds[0])
                 return fds[0]
         elif kind == protocol.FETCH:
-            entry = self.by_uid.get(int(words[2], 16))
-            if entry is None:
-                self.drain()  # its registration may be queued on another connection
-                entry = self.by_uid.get(int(words[2], 16))
-            if entry is None:
-                self.reply(conn, protocol.NOT_FOUND)
+            uid = int(words[2], 16)
+            if uid in self.by_uid:
+                self.answer_fetch(conn, uid)
+            elif self.draining:
+                # Read while a drain is under way: its registration may wait
+                # further down another connection, which this drain reads.
+                self.after_drain.append(lambda: self.answer_fetch(conn, uid))
             else:
-                self.reply(conn, protocol.FOUND, [entry.fd, self.table.fd])
+                self.drain()  # its registration may be queued on another connection
+                self.answer_fetch(conn, uid)
         elif kind == protocol.CLOSE_RELEASED:
             self.scan_flags()
             self.reply(conn, protocol.CLOSED)
         elif kind == protocol.STATUS:
-            self.drain()  # a report counts what was registered before it
-            report = self.status()
-            fd = os.memfd_create("torchshm:status", os.MFD_CLOEXEC)
-            try:
-                os.write(fd, json.dumps(report).encode())
-                self.reply(conn, protocol.REPORT, [fd])
-            finally:
-                os.close(fd)
+            # A report counts what was registered before it.
+            if self.draining:
+                self.after_drain.append(lambda: self.report(conn))
+            else:
+                self.drain()
+                self.report(conn)
         return None
+
+    def answer_fetch(self, conn, uid):
+        entry = self.by_uid.get(uid)
+        if entry is None:
+            self.reply(conn, protocol.NOT_FOUND)
+        else:
+            self.reply(conn, protocol.FOUND, [entry.fd, self.table.fd])
+
+    def report(self, conn):
+        fd = os.memfd_create("torchshm:status", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, json.dumps(self.status()).encode())
+            self.reply(conn, protocol.REPORT, [fd])
+        finally:
+            os.close(fd)
 
     def reply(self, conn, data, fds=()):
         """Sends without waiting: a client whose replies pile up unread (or
@@ -369,8 +385,9 @@ class Keeper:
         last and exit before the keeper reads the first. Each pass serves one
         request per ready connection and accepts new ones; waiting requests
         are bounded by the sockets' buffers, and DRAIN_PASSES bounds a client
-        that keeps sending. Not recursive: a fetch served here does not drain
-        again."""
+        that keeps sending. Not recursive: a fetch or a report read meanwhile
+        is answered once the drain is done (after_drain), when what was
+        registered before it has been read too."""
         if self.draining:
             return
         self.draining = True
@@ -380,6 +397,12 @@ class Keeper:
                     break
         finally:
             self.draining = False
+            answers, self.after_drain = self.after_drain, []
+            for answer in answers:
+                try:
+                    answer()
+                except Exception:  # noqa: BLE001 - as in serve()
+                    pass
 
     def serve_ready(self, timeout):
         """Serves one request on each ready connection; returns how many
