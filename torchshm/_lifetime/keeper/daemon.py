@@ -336,24 +336,25 @@ class Keeper:
             uid = int(words[2], 16)
             if uid in self.by_uid:
                 self.answer_fetch(conn, uid)
-            elif self.draining:
-                # Read while a drain is under way: its registration may wait
-                # further down another connection, which this drain reads.
-                self.after_drain.append(lambda: self.answer_fetch(conn, uid))
-            else:
-                self.drain()  # its registration may be queued on another connection
-                self.answer_fetch(conn, uid)
+            else:  # its registration may be queued on another connection
+                self.after_registrations(lambda: self.answer_fetch(conn, uid))
         elif kind == protocol.CLOSE_RELEASED:
             self.scan_flags()
             self.reply(conn, protocol.CLOSED)
         elif kind == protocol.STATUS:
             # A report counts what was registered before it.
-            if self.draining:
-                self.after_drain.append(lambda: self.report(conn))
-            else:
-                self.drain()
-                self.report(conn)
+            self.after_registrations(lambda: self.report(conn))
         return None
+
+    def after_registrations(self, answer):
+        """Gives `answer` once every request already waiting has been read
+        (drain): at once after a drain of its own, or, read during another's
+        drain, when that one is done."""
+        if self.draining:
+            self.after_drain.append(answer)
+        else:
+            self.drain()
+            answer()
 
     def answer_fetch(self, conn, uid):
         entry = self.by_uid.get(uid)
@@ -388,8 +389,6 @@ class Keeper:
         that keeps sending. Not recursive: a fetch or a report read meanwhile
         is answered once the drain is done (after_drain), when what was
         registered before it has been read too."""
-        if self.draining:
-            return
         self.draining = True
         try:
             for _ in range(DRAIN_PASSES):
