@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "allocator.h"
@@ -93,10 +94,7 @@ std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array) {
 }
 
 py::object memory_owner(py::handle array) {
-  TORCH_CHECK(PyArray_Check(array.ptr()), "expected a numpy.ndarray, got ",
-              std::string(py::str(py::type::handle_of(array))));
-  auto [root, nearest] =
-      base_chain(reinterpret_cast<PyArrayObject*>(array.ptr()));
+  auto [root, nearest] = base_chain(as_ndarray(array));
   if (root && THPVariable_Check(root.ptr()))
     return py::reinterpret_borrow<py::object>(root);
   const at::Tensor owner = lookup_segment_owner(root, nearest);
@@ -105,7 +103,13 @@ py::object memory_owner(py::handle array) {
 
 Placement Plan::place(PyArrayObject* array) {
   auto [root, nearest] = base_chain(array);
-  const auto extent = byte_extent(array);
+  // The bytes the array spans, found once and only when needed: a resend by
+  // reference over a shared mapping needs none.
+  std::optional<std::pair<int64_t, int64_t>> spans;
+  auto extent = [&] {
+    if (!spans) spans = byte_extent(array);
+    return *spans;
+  };
   const at::Tensor owner = lookup_segment_owner(root, nearest);
   if (owner.defined()) {
     // A segment whose name is gone (its session ended) cannot be mapped
@@ -118,11 +122,13 @@ Placement Plan::place(PyArrayObject* array) {
         reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
     // Pages of a private mapping that this process wrote are its own, not
     // the segment's: a reference would send the segment's bytes instead.
-    const bool written =
-        view->kind == Segment::Mapping::kPrivate &&
-        written_privately(view, offset + extent.first, offset + extent.second);
+    auto written = [&] {
+      if (view->kind != Segment::Mapping::kPrivate) return false;
+      const auto [lo, hi] = extent();
+      return written_privately(view, offset + lo, offset + hi);
+    };
     if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
-        !written) {
+        !written()) {
       count(kArraysResent);
       py::object ref_owner = root && THPVariable_Check(root.ptr())
                                  ? py::reinterpret_borrow<py::object>(root)
@@ -148,7 +154,7 @@ Placement Plan::place(PyArrayObject* array) {
                      root,
                      nearest};
   }
-  return copy_view(array, extent, root, nearest);
+  return copy_view(array, extent(), root, nearest);
 }
 
 Placement Plan::copy(PyArrayObject* array, const Placement& torch_owned) {
