@@ -43,6 +43,9 @@ def put_and_return(q, n):
 
 def put_tensor_view_and_return(q, n):
     """Puts an array over a share_memory_()d tensor and returns at once."""
+    # A forked child of a process that ran torch's OpenMP threads hangs in
+    # its first parallel op (libgomp's team is the parent's): one thread.
+    torch.set_num_threads(1)
     q.put(torch.arange(n).share_memory_().numpy()[1:])
 
 

@@ -604,6 +604,7 @@ def test_the_keeper_answers_after_every_registration_sent_before_the_question(as
     assert keeper > 0  # os.kill(0, ...) would stop this process group
     os.kill(keeper, signal.SIGSTOP)
     waking = threading.Timer(0.5, os.kill, (keeper, signal.SIGCONT))
+    answers, other = ctx.Queue(), None
     p = ctx.Process(
         target=lifetime_children.create_and_wait,
         args=(outbox, count, 1 << 16, asked != "status"),
@@ -617,10 +618,12 @@ def test_the_keeper_answers_after_every_registration_sent_before_the_question(as
             p.join(TIMEOUT)
         if asked == "two fetches":
             # A second receiver asks on a connection of its own: its fetch is
-            # served while the first one's wait reads the registrations.
+            # served while the first one's wait reads the registrations. It
+            # answers through a queue of its own: the killed child may have
+            # died holding outbox's write lock.
             other = ctx.Process(
                 target=lifetime_children.load_and_report,
-                args=(messages[count - 2], outbox),
+                args=(messages[count - 2], answers),
             )
             other.start()
             time.sleep(0.3)  # it has asked
@@ -629,7 +632,7 @@ def test_the_keeper_answers_after_every_registration_sent_before_the_question(as
             array = pickle.loads(messages[count - 1])
             assert array[-1] == count - 1 and torchshm.is_shared(array)
             del array
-            assert outbox.get(timeout=TIMEOUT) == count - 2
+            assert answers.get(timeout=TIMEOUT) == count - 2
             other.join(TIMEOUT)
             for i in range(count - 2):  # the rest, so that no ticket is left
                 assert pickle.loads(messages[i])[-1] == i
@@ -644,10 +647,13 @@ def test_the_keeper_answers_after_every_registration_sent_before_the_question(as
     finally:
         waking.cancel()
         os.kill(keeper, signal.SIGCONT)
-        if p.is_alive():
-            p.kill()
-        p.join(TIMEOUT)
+        for child in (p, other):
+            if child is not None and child.is_alive():
+                child.kill()
+            if child is not None:
+                child.join(TIMEOUT)
         outbox.close()
+        answers.close()
 
 
 def test_a_sender_killed_after_its_write_still_delivers(ctx):
