@@ -29,6 +29,7 @@
 #include "snapshots.h"
 #include "stats.h"
 #include "table.h"
+#include "tensors.h"
 #include "views.h"
 
 namespace {
@@ -298,6 +299,13 @@ PYBIND11_MODULE(_C, m) {
        {"rebuild_ndarray", "rebuild_inline", "message_token"})
     m.attr(name) = torchshm::wire_function(name);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
+
+  // Torch storages in segments (tensors.h, Note [Tensor storages]).
+  m.def("move_storage", &torchshm::move_storage, py::arg("tensor"),
+        py::arg("owner"), py::arg("threads"));
+  m.def("segment_storage", &torchshm::segment_storage, py::arg("owner"),
+        py::arg("nbytes"));
+  m.def("message_ref", &torchshm::message_ref, py::arg("owner"));
   m.def("message_writing", &torchshm::message_writing, py::arg("pipe_inode"));
   m.def("message_written", &torchshm::message_written);
   m.def("message_not_written", &torchshm::message_not_written);

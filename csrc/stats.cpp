@@ -10,7 +10,7 @@ const char* const kCounterNames[kCounterCount] = {
     "segments_attached",       "segments_reused",    "mappings_reused",
     "tickets_unavailable",     "allocations_shared", "allocations_fallback",
     "fork_waits_timed_out",    "snapshots_resent",   "arrays_copied_on_receive",
-    "private_mappings_walked",
+    "private_mappings_walked", "storages_moved",     "storages_sent",
 };
 
 }  // namespace torchshm

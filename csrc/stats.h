@@ -25,6 +25,8 @@ enum Counter : int {
   kSnapshotsResent,
   kArraysCopiedOnReceive,
   kPrivateMappingsWalked,
+  kStoragesMoved,
+  kStoragesSent,
   kCounterCount,
 };
 

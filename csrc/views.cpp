@@ -122,6 +122,16 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
   return tensor_over(new View(std::move(segment), slot, holder), data, n);
 }
 
+at::DataPtr shared_alias(const at::Tensor& owner) {
+  View* view = view_of(owner);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  const at::Storage keep = view->keep ? view->keep : owner.storage();
+  return at::DataPtr(
+      view->segment->data(),
+      new View(view->segment, -1, 0, Segment::Mapping::kShared, keep),
+      &delete_view, at::Device(at::kCPU));
+}
+
 at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
                          int threads) {
   View* view = view_of(owner);

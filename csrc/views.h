@@ -96,6 +96,11 @@ py::object message_owner(py::handle owner, int threads);
 // mapping behind `view` (those pages are its own now, not the segment's);
 // false for any other view.
 bool written_privately(const View* view, int64_t lo, int64_t hi);
+// A data pointer to the start of the shared mapping of the segment behind
+// `owner` (a tensor view_of knows), whose context is a new view owning no
+// slot and keeping the slot owner's storage alive (Note [Tensor storages]
+// in tensors.h).
+at::DataPtr shared_alias(const at::Tensor& owner);
 // An int8 tensor over the whole data through mapping `kind`, keeping
 // `owner` (a tensor view_of knows) alive: `owner` itself if it is that
 // mapping's; undefined if that mapping cannot be made here.

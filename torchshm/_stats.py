@@ -37,6 +37,10 @@ COUNTERS = (
     # served another message: it took a page fault meanwhile (Note [Knowing
     # that nothing was written] in csrc/segment.h).
     "private_mappings_walked",
+    # Torch storages moved into a segment in place (one copy), and storages
+    # sent by reference (Note [Tensor storages] in csrc/tensors.h).
+    "storages_moved",
+    "storages_sent",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(

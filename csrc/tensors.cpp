@@ -1,0 +1,108 @@
+// Torch storages in segments (Note [Tensor storages] in tensors.h).
+#include "tensors.h"
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "message.h"
+#include "stats.h"
+#include "views.h"
+
+namespace torchshm {
+
+namespace {
+
+// This process's storage over each segment that has one, held weakly, by
+// segment name. Touched only under the GIL. Dead entries are dropped
+// whenever the table doubled since the last pass.
+class SegmentStorages {
+ public:
+  at::Storage get(const std::string& name) const {
+    auto found = table_.find(name);
+    if (found == table_.end()) return at::Storage();
+    c10::intrusive_ptr<c10::StorageImpl> live = found->second.lock();
+    return live ? at::Storage(std::move(live)) : at::Storage();
+  }
+
+  void remember(const std::string& name, const at::Storage& storage) {
+    table_.insert_or_assign(name, storage.getWeakStorageImpl());
+    if (table_.size() <= prune_at_) return;
+    for (auto it = table_.begin(); it != table_.end();)
+      it = it->second.expired() ? table_.erase(it) : std::next(it);
+    prune_at_ = std::max<size_t>(64, 2 * table_.size());
+  }
+
+ private:
+  std::unordered_map<std::string, c10::weak_intrusive_ptr<c10::StorageImpl>>
+      table_;
+  size_t prune_at_ = 64;
+};
+
+SegmentStorages& segment_storages() {
+  static auto* storages = new SegmentStorages();  // never destroyed: exit
+  return *storages;
+}
+
+View& checked_view(const at::Tensor& owner) {
+  View* view = view_of(owner);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  return *view;
+}
+
+}  // namespace
+
+void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
+                  int threads) {
+  const std::shared_ptr<Segment> segment = checked_view(owner).segment;
+  at::Storage storage = tensor.storage();
+  TORCH_CHECK(view_of(storage) == nullptr,
+              "the storage is in a torchshm segment already");
+  const int64_t n = static_cast<int64_t>(storage.nbytes());
+  TORCH_CHECK(n <= segment->capacity(), "a storage of ", n,
+              " bytes does not fit a segment of ", segment->capacity());
+  const auto* src = static_cast<const uint8_t*>(storage.data());
+  {
+    // The caller holds the storage, and its policy lock keeps any other
+    // thread from moving it meanwhile (torch/_send/tensors.py).
+    py::gil_scoped_release no_gil;
+    segment->fill(0, src, n, threads);
+  }
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  // What torch's share_memory_() does with its /dev/shm file: every tensor
+  // over this storage sees the segment from now on; the old bytes are freed
+  // when `old` goes.
+  at::DataPtr old = impl->set_data_ptr(shared_alias(owner));
+  impl->set_resizable(false);
+  impl->set_allocator(nullptr);
+  segment_storages().remember(segment->name(), storage);
+  count(kStoragesMoved);
+  count(kBytesCopied, n);
+}
+
+at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes) {
+  const std::shared_ptr<Segment> segment = checked_view(owner).segment;
+  const std::string& name = segment->name();
+  at::Storage live = segment_storages().get(name);
+  if (live && static_cast<int64_t>(live.nbytes()) == nbytes)
+    return tensor_of(std::move(live));
+  TORCH_CHECK(0 <= nbytes && nbytes <= segment->capacity(), "a storage of ",
+              nbytes, " bytes does not fit a segment of ", segment->capacity());
+  at::Storage storage(at::Storage::use_byte_size_t(), nbytes,
+                      shared_alias(owner), /*allocator=*/nullptr,
+                      /*resizable=*/false);
+  segment_storages().remember(name, storage);
+  return tensor_of(std::move(storage));
+}
+
+py::object message_ref(py::handle owner) {
+  const View& view = checked_view(THPVariable_Unpack(owner.ptr()));
+  py::object message = current_message();
+  count(kStoragesSent);
+  return message.cast<Message&>().ref(message,
+                                      py::reinterpret_borrow<py::object>(owner),
+                                      py::str(view.segment->name()));
+}
+
+}  // namespace torchshm

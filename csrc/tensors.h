@@ -1,0 +1,48 @@
+// Torch storages in segments: a tensor's storage moved into one in place,
+// and the one storage a process keeps per segment (Note [Tensor storages]).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace torchshm {
+
+// Note [Tensor storages]
+// A tensor sent with the tensor switch on (torchshm/_send/tensors.py) travels
+// as a reference to a segment that holds its whole storage, at the segment's
+// start: every storage over a segment starts at the segment's data, as every
+// view's does (offsets stay relative to it, Note [Sender plan]). Its storage
+// gets there in one of two ways:
+// - it was born there: torchshm.empty, or UntypedStorage._new_shared (the
+//   default collate's batch) while the switch is on;
+// - move_storage puts it there in place, as torch's share_memory_() does
+//   with a /dev/shm file: the bytes are copied to a pooled segment and the
+//   storage's data swapped for the segment's, so every tensor over that
+//   storage, in this process and in every receiver, sees the same bytes.
+// Either way the storage's data pointer is an alias view (views.h: owning no
+// slot, keeping the pool's view alive), so the pool reuses the segment only
+// once the storage is gone here and every receiver let go of it.
+// A receiver makes one storage per segment (segment_storage): the same
+// storage arriving twice is the same storage object, and views of it stay
+// views, as torch's shared_cache does for its own. The sender's storage is
+// in that cache too, so a tensor sent back to its sender is its own again.
+// Such storages cannot be resized (torch's own shared storages cannot
+// either): their allocator is none.
+
+// Copies the bytes of `tensor`'s storage to the start of the segment behind
+// `owner` (a pooled view, at least as large; Segment::fill, with up to
+// `threads` threads) and points the storage there.
+void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
+                  int threads);
+
+// An int8 tensor over this process's storage of the first `nbytes` of the
+// segment behind `owner`: the live one if the segment has one of that size,
+// else a new one, remembered.
+at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes);
+
+// This thread's message's reference to the segment behind `owner` (a
+// SegmentRef: pickling it issues the message's ticket).
+py::object message_ref(py::handle owner);
+
+}  // namespace torchshm
