@@ -3,8 +3,9 @@
 `import torchshm` registers reducers with multiprocessing's ForkingPickler:
 every non-object ndarray of at least get_threshold() bytes that a Queue, Pipe,
 Pool or DataLoader sends travels through shared memory and is rebuilt on the
-receiving side without a copy. Set TORCHSHM_DISABLE=1 to import without
-registering.
+receiving side without a copy. With TORCHSHM_TENSORS=1 (or
+register(tensors=True)), torch's CPU tensors go through the same memory
+instead of /dev/shm. Set TORCHSHM_DISABLE=1 to import without registering.
 """
 
 import torch  # noqa: F401  - loads libtorch before the extension
@@ -28,6 +29,7 @@ from torchshm._dataloader import (
 from torchshm._containers import SharedDict, SharedList
 from torchshm._handles import HandleError, dumps, loads, release
 from torchshm._send.sender import is_shared
+from torchshm._send.tensors import empty
 from torchshm._send.registry import (
     disabled,
     is_registered,
@@ -47,6 +49,7 @@ __all__ = [
     "convert",
     "disabled",
     "dumps",
+    "empty",
     "get_threshold",
     "HandleError",
     "is_registered",

@@ -88,6 +88,7 @@ SETTINGS = {
     "TORCHSHM_POOL_IDLE_SECONDS": (parse_seconds, SECONDS),
     "TORCHSHM_MAPPING_CACHE_BYTES": (parse_size, SIZE),
     "TORCHSHM_DISABLE": (parse_boolean, BOOLEAN),
+    "TORCHSHM_TENSORS": (parse_boolean, BOOLEAN),
     "TORCHSHM_SESSION": (parse_session, SESSION),
     "TORCHSHM_KEEPER_TIMEOUT": (parse_seconds, SECONDS),
     "TORCHSHM_SESSION_LINGER": (parse_seconds, SECONDS),

@@ -9,6 +9,10 @@ calling it registers again in case the import happened earlier with the
 reducers off. Under forkserver (Python 3.14's default on Linux) no hook is
 needed while the fork server has not started when torchshm registers: it
 joins the server's preload list (_registry._preload_in_forkserver).
+A worker reads the settings (TORCHSHM_*) from the environment it inherited:
+under forkserver, the fork server's, as it was when the server started. So
+register(tensors=True) after the server started does not reach the workers;
+chain(fn, tensors=True) carries the switch in the hook itself.
 
 Note [One segment per batch]
 `np.stack` into fresh memory and then a send copies each batch twice: once
@@ -20,7 +24,7 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 
 import collections.abc
 import warnings
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 from torch.utils.data import IterDataPipe
@@ -70,16 +74,28 @@ class AllocatingIterDataPipe(IterDataPipe):
         return len(self.source_datapipe)
 
 
-def chain(fn: Callable[..., T], *, allocate: bool = False) -> Callable[..., T]:
+def chain(
+    fn: Optional[Callable[..., T]],
+    *,
+    allocate: bool = False,
+    tensors: Optional[bool] = None,
+) -> Callable[..., Optional[T]]:
     """A picklable hook that registers torchshm in the process that calls it,
-    then returns `fn(*args)`: for a DataLoader's `worker_init_fn(worker_id)`,
-    torchdata's `worker_init_fn(datapipe, worker_info)`, or the map function
-    of a process pool that has no other hook (torchdata.nodes.ParallelMapper,
-    Pool.map). With `allocate=True` it also turns on born-shared allocation
-    in the calling thread first (torchshm.set_allocator(True)), and in the
-    thread that iterates a datapipe `fn` returns (torchdata.with_allocator): the
-    arrays the worker makes are then sent without a copy."""
-    return RegisterThenCall(fn, "torchshm.chain", allocate)
+    then returns `fn(*args)` (None if `fn` is None): for a DataLoader's
+    `worker_init_fn(worker_id)`, torchdata's `worker_init_fn(datapipe,
+    worker_info)`, or the map function of a process pool that has no other
+    hook (torchdata.nodes.ParallelMapper, Pool.map). With `allocate=True` it
+    also turns on born-shared allocation in the calling thread first
+    (torchshm.set_allocator(True)), and in the thread that iterates a
+    datapipe `fn` returns (torchdata.with_allocator): the arrays the worker
+    makes are then sent without a copy. `tensors` turns the tensor switch on
+    or off there (register(tensors=...)); None leaves it to the worker's
+    environment (TORCHSHM_TENSORS).
+
+    >>> hook = torchshm.chain(None, tensors=True)
+    >>> loader = DataLoader(data, num_workers=4, worker_init_fn=hook)
+    """
+    return RegisterThenCall(fn, "torchshm.chain", allocate, tensors)
 
 
 class RegisterThenCall:
@@ -87,16 +103,19 @@ class RegisterThenCall:
     allocator), then calls the user's `fn` with the hook's arguments."""
 
     allocate = False  # hooks pickled before allocate existed
+    tensors = None  # ... and before tensors existed
 
-    def __init__(self, fn, wrapper, allocate=False):
-        self.fn, self.wrapper, self.allocate = fn, wrapper, allocate
+    def __init__(self, fn, wrapper, allocate=False, tensors=None):
+        self.fn, self.wrapper = fn, wrapper
+        self.allocate, self.tensors = allocate, tensors
 
     def __call__(self, *args):
-        _register_in_worker()
+        _register_in_worker(self.tensors)
+        if self.allocate:
+            _allocator.set_allocator(True)
+        result = None if self.fn is None else self.fn(*args)
         if not self.allocate:
-            return self.fn(*args)
-        _allocator.set_allocator(True)
-        result = self.fn(*args)
+            return result
         # A torchdata hook returns the datapipe, which a worker may iterate
         # in another thread (its prefetcher): turn it on there too.
         if isinstance(result, IterDataPipe):
@@ -105,12 +124,13 @@ class RegisterThenCall:
 
     def __repr__(self):
         allocate = ", allocate=True" if self.allocate else ""
-        return f"{self.wrapper}({self.fn!r}{allocate})"
+        tensors = "" if self.tensors is None else f", tensors={self.tensors}"
+        return f"{self.wrapper}({self.fn!r}{allocate}{tensors})"
 
 
-def _register_in_worker():
+def _register_in_worker(tensors=None):
     if not _config.registration_disabled():
-        _registry.register()
+        _registry.register(tensors)
 
 
 def convert(sample: T) -> T:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from torchshm._lifetime import attach as _attach
-from torchshm._compat import int8_tensor_over
+from torchshm._compat import int8_tensor_over, untyped_storage
 from torchshm._native import _C
 
 # rebuild_ndarray(owner, offset, dtype, shape, strides, writeable, subtype):
@@ -37,6 +37,13 @@ def rebuild_ndarray_from_storage(storage, *view):
 def rebuild_ndarray_from_reduced_storage(rebuild_storage, storage_args, *view):
     """Rebuilds an array over a storage that torch's own reducer sent."""
     return rebuild_ndarray_from_storage(rebuild_storage(*storage_args), *view)
+
+
+def rebuild_storage(owner, nbytes):
+    """Rebuilds a torch storage sent by reference: this process's one
+    storage over the first `nbytes` of `owner`'s segment (Note [Tensor
+    storages] in csrc/tensors.h). torch's own rebuilds make the tensor."""
+    return untyped_storage(_C.segment_storage(owner, nbytes))
 
 
 def rebuild_empty(*view):

@@ -1,12 +1,13 @@
 """Registration with multiprocessing's ForkingPickler (never copyreg, so that
-pickle.dumps to a file stays by value): ndarrays, and pyarrow Buffers once
-pyarrow is imported (Note [Arrow buffers] in arrow.py)."""
+pickle.dumps to a file stays by value): ndarrays, torch's untyped storages
+(tensors.py), and pyarrow Buffers once pyarrow is imported (Note [Arrow
+buffers] in arrow.py)."""
 
 import contextlib
 import threading
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -16,14 +17,25 @@ from torchshm._native import _C
 from torchshm._send import arrow as _arrow
 from torchshm._send import channel as _channel
 from torchshm._send import sender as _sender
+from torchshm._send import tensors as _tensors
 
+# The array types, and every type's reducer.
 TYPES = (np.ndarray,) + _sender.SUBCLASSES
+REDUCERS = {t: _sender.REDUCER for t in TYPES}
+REDUCERS[_tensors.STORAGE] = _tensors.reduce_storage
 _lock = threading.Lock()
 _previous = None  # the reducers we replaced, restored by unregister()
 
 
-def register() -> None:
+def register(tensors: Optional[bool] = None) -> None:
     """Sends eligible ndarrays through shared memory from now on (idempotent).
+
+    `tensors=True` turns the tensor switch on (as TORCHSHM_TENSORS=1 does, for
+    this process and the ones it starts from now on): CPU tensors torch would
+    move into /dev/shm go into torchshm's memory instead, and DataLoader
+    batches are made there (README, "Tensors"); False turns it off; None
+    reads TORCHSHM_TENSORS. Tensors made by torchshm.empty travel by
+    reference either way.
 
     Raises ValueError for a bad TORCHSHM_* environment variable here, in the
     caller's thread, rather than later inside a reducer (worker_init_fn calls
@@ -32,6 +44,10 @@ def register() -> None:
     arrays are pickled by value."""
     global _previous
     _config.check_environment()
+    if tensors is None:
+        _tensors.read_switch()
+    else:
+        _tensors.set_enabled(tensors)
     try:
         _session.join()
     except _C.SharedMemoryError as exc:
@@ -41,9 +57,10 @@ def register() -> None:
         if _previous is not None:
             return
         table = _compat.forking_reducers()
-        _previous = {t: table.get(t) for t in TYPES}
-        for t in TYPES:
-            ForkingPickler.register(t, _sender.REDUCER)
+        _previous = {t: table.get(t) for t in REDUCERS}
+        for t, reducer in REDUCERS.items():
+            ForkingPickler.register(t, reducer)
+        _tensors.install()
     # Only a process that sends patches multiprocessing: with
     # TORCHSHM_DISABLE=1 an import changes nothing of it.
     _channel.install()
@@ -87,6 +104,7 @@ def unregister() -> None:
                 table.pop(t, None)
             else:
                 table[t] = reducer
+        _tensors.uninstall()
         _previous = None
 
 

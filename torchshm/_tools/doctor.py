@@ -15,14 +15,20 @@ from torchshm import _memory
 from torchshm._lifetime import attach as _attach
 from torchshm._lifetime.keeper import paths as _paths
 from torchshm._lifetime import session as _session
+from torchshm._send import tensors as _tensors
 
 # How a segment's mapping reads in /proc/<pid>/maps.
 SEGMENT_MAPPING = _attach.SEGMENT_LINK
 
 TORCH_SHM_NOTE = (
     "torch's own tensor sharing (its file_descriptor and file_system"
-    " strategies) still uses /dev/shm: tensors in DataLoader samples need"
-    " room there"
+    " strategies) uses /dev/shm: tensors in DataLoader samples, and the"
+    " default collate's batches, need room there"
+)
+TENSOR_SWITCH = (
+    "set TORCHSHM_TENSORS=1 (or call torchshm.register(tensors=True) before the"
+    " workers start) to send torch's CPU tensors through torchshm's memory"
+    " instead, or raise --shm-size"
 )
 
 
@@ -102,9 +108,10 @@ def _advice(dev_shm, cgroup):
         " for them (Docker's and Kubernetes' 64 MiB default is fine).",
     ]
     if "size" in dev_shm and dev_shm["size"] < 1 << 30:
+        switch = "on" if _tensors.enabled() else "off"
         advice.append(
             f"/dev/shm is {_memory._size(dev_shm['size'])}: {TORCH_SHM_NOTE};"
-            " raise --shm-size if samples carry torch tensors."
+            f" {TENSOR_SWITCH} (the tensor switch is {switch} here)."
         )
     if cgroup is not None:
         advice.append(

@@ -1,0 +1,204 @@
+"""Torch tensors through torchshm's segments: the policy (the mechanism is
+Note [Tensor storages] in csrc/tensors.h).
+
+torch's own tensor reducer takes a tensor apart (its checks, its metadata,
+Parameter, sparse and nested layouts, CUDA) and pickles its storage; torchshm
+replaces only the reducer of the untyped storage, so everything torch decides
+about tensors stays torch's. A storage in a torchshm segment (born there, moved
+there before, or received) always travels as a reference to its segment, with
+a ticket, like an array. With the tensor switch on (TORCHSHM_TENSORS=1, or
+torchshm.register(tensors=True)), a CPU storage not shared yet is moved into a
+segment in place, where torch would move it into a /dev/shm file, and
+UntypedStorage._new_shared (the default collate's batch in a DataLoader
+worker) makes its storage in a pooled segment. Storages torch shared itself
+(share_memory_()) keep torch's path. Where shared memory fails, torch's own
+path carries the storage, with one warning (torchshm._fallback); the reducer
+never raises where torch's would not.
+"""
+
+import errno
+import functools
+import os
+import threading
+from typing import Optional, Sequence, Union
+
+import torch
+
+from torchshm import _compat, _config, _fallback
+from torchshm._lifetime import segments as _segments
+from torchshm._native import _C
+from torchshm._reduction import rebuild_storage
+
+STORAGE = torch.UntypedStorage
+SWITCH = "TORCHSHM_TENSORS"
+
+_enabled = False
+# One move at a time: two feeder threads pickling one tensor must not both
+# copy it (the second would read bytes the first freed).
+_move_lock = threading.Lock()
+
+
+def _after_fork_in_child():
+    # A thread of the parent may have held it at fork: it never lets go here.
+    global _move_lock
+    _move_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+# torch's methods that the patches below wrap, while they are installed, and
+# what UntypedStorage's own dictionary held under their names (None: inherited).
+_originals = {}
+_own = {}
+_PATCHED = ("is_shared", "share_memory_", "_new_shared")
+
+
+def enabled() -> bool:
+    """Whether the tensor switch is on in this process."""
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Turns the switch on or off here and, through the environment, in the
+    processes started from now on (DataLoader workers make the batches)."""
+    global _enabled
+    _enabled = bool(on)
+    os.environ[SWITCH] = "1" if on else "0"
+
+
+def read_switch() -> None:
+    """Takes the switch from the environment (at import and register())."""
+    global _enabled
+    _enabled = bool(_config.env_setting(SWITCH, False))
+
+
+def segment_view(storage) -> Optional[torch.Tensor]:
+    """An int8 tensor over `storage` if it is in a torchshm segment, else None."""
+    if storage.device.type != "cpu":
+        return None
+    view = _compat.int8_tensor_over(storage)
+    return view if _C.segment_of(view) is not None else None
+
+
+def reduce_storage(storage):
+    """The ForkingPickler reducer of torch's untyped storage (see the
+    module's docstring)."""
+    try:
+        view = segment_view(storage)
+        if view is None:
+            if not (_enabled and _movable(storage)):
+                return _torch_reduce(storage)
+            view = _move(storage)
+        if _C.segment_of(view).unlinked:
+            raise _C.SharedMemoryError(
+                errno.ENOENT,
+                "torchshm: the storage's segment is closed (its session ended)",
+            )
+        return rebuild_storage, (_C.message_ref(view), storage.nbytes())
+    except Exception as exc:  # noqa: BLE001 - raising here loses the message
+        _fallback.fall_back(
+            exc, "sharing a tensor's storage", "torch's own sharing carries it"
+        )
+        return _torch_reduce(storage)
+
+
+def _movable(storage):
+    """A CPU storage with bytes that torch has not shared itself."""
+    return (
+        storage.device.type == "cpu"
+        and storage.nbytes() > 0
+        and not _originals["is_shared"](storage)
+    )
+
+
+def _move(storage):
+    """Moves `storage` into a pooled segment in place (torch's
+    share_memory_(), into torchshm's memory); an int8 tensor over it."""
+    with _move_lock:
+        view = segment_view(storage)  # another thread's move came first
+        if view is None:
+            owner = _segments.allocate(storage.nbytes(), populate=False)
+            view = _compat.int8_tensor_over(storage)
+            _C.move_storage(view, owner, _config.copy_threads())
+    return view
+
+
+def _torch_reduce(storage):
+    from torch.multiprocessing import reductions
+
+    return reductions.reduce_storage(storage)
+
+
+def new_storage(nbytes: int):
+    """A storage of `nbytes` in a pooled segment (its bytes are not
+    cleared: a reused segment holds what was there). Raises
+    SharedMemoryError if shared memory cannot hold it."""
+    owner = _segments.allocate(max(1, nbytes))  # populated: torch writes it
+    return _compat.untyped_storage(_C.segment_storage(owner, nbytes))
+
+
+def empty(
+    *size: Union[int, Sequence[int]],
+    dtype: Optional[torch.dtype] = None,
+    requires_grad: bool = False,
+) -> torch.Tensor:
+    """A tensor born in shared memory, like torch.empty (CPU, contiguous): it
+    is sent by reference, without a copy, whether or not the tensor switch is
+    on; what the sender writes to it after sending, receivers see. Its bytes
+    are not cleared. Raises torchshm's SharedMemoryError (an OSError) if
+    shared memory cannot hold it.
+
+    >>> batch = torchshm.empty(64, 3, 224, 224, dtype=torch.uint8)
+    """
+    if len(size) == 1 and not isinstance(size[0], int):
+        size = tuple(size[0])
+    dtype = dtype or torch.get_default_dtype()
+    shape = torch.Size(size)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    storage = new_storage(shape.numel() * itemsize)
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _is_shared(storage):
+    return segment_view(storage) is not None or _originals["is_shared"](storage)
+
+
+def _share_memory_(storage, *args, **kwargs):
+    if segment_view(storage) is not None:
+        return storage  # shared already: a move would detach the receivers
+    return _originals["share_memory_"](storage, *args, **kwargs)
+
+
+def _new_shared(cls, size, *, device="cpu"):
+    if _enabled and torch.device(device).type == "cpu" and size > 0:
+        try:
+            return new_storage(size)
+        except Exception as exc:  # noqa: BLE001 - torch's way still works
+            _fallback.fall_back(
+                exc, f"allocating {size} bytes in shared memory", "torch allocates it"
+            )
+    return _originals["_new_shared"](size, device=device)
+
+
+def install() -> None:
+    """Wraps torch's storage methods so that torchshm's storages behave as
+    torch's shared ones do: is_shared() is true, share_memory_() keeps them
+    where they are, and _new_shared makes them while the switch is on.
+    Idempotent; uninstall() restores torch's."""
+    if _originals:
+        return
+    for name in _PATCHED:
+        _originals[name] = getattr(STORAGE, name)
+        _own[name] = STORAGE.__dict__.get(name)
+    STORAGE.is_shared = functools.wraps(_originals["is_shared"])(_is_shared)
+    STORAGE.share_memory_ = functools.wraps(_originals["share_memory_"])(_share_memory_)
+    STORAGE._new_shared = classmethod(_new_shared)
+
+
+def uninstall() -> None:
+    for name in list(_originals):
+        if _own[name] is None:
+            delattr(STORAGE, name)
+        else:
+            setattr(STORAGE, name, _own[name])
+        del _originals[name], _own[name]
