@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 import torchshm  # noqa: E402
 from torchshm._lifetime import session as _session  # noqa: E402
 from torchshm._send import registry as _registry  # noqa: E402
+from torchshm._send import tensors as _tensors  # noqa: E402
 from torchshm._tools import doctor as _doctor  # noqa: E402
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -271,14 +272,24 @@ def reducer_registry():
     table = ForkingPickler._extra_reducers
     saved, previous = dict(table), _registry._previous
     threshold = torchshm.get_threshold()
+    tensors, switch = _tensors.enabled(), os.environ.get(_tensors.SWITCH)
     yield
     with _registry._lock:
         for t in list(table):
-            if t not in saved and t in _registry.TYPES:
+            if t not in saved and t in _registry.REDUCERS:
                 del table[t]
         table.update(saved)
         _registry._previous = previous
+        if previous is None:
+            _tensors.uninstall()
+        else:
+            _tensors.install()
     torchshm.set_threshold(threshold)
+    _tensors._enabled = tensors
+    if switch is None:
+        os.environ.pop(_tensors.SWITCH, None)
+    else:
+        os.environ[_tensors.SWITCH] = switch
 
 
 def stats_delta(before, after=None):

@@ -7,6 +7,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import torch
 
 import torchshm
 from torchshm import _C
@@ -98,9 +99,9 @@ def fanout_receiver(queue, outbox, start, pause, count):
     got, bad = [], 0
     for _ in range(count):
         i, table = queue.get(timeout=120)
-        bad += not (
-            torchshm.is_shared(table) and table[i % table.size] == i % table.size
-        )
+        tensor = isinstance(table, torch.Tensor)
+        shared = table.is_shared() if tensor else torchshm.is_shared(table)
+        bad += not (shared and table[i % len(table)] == i % len(table))
         got.append(i)
         del table
         if pause:

@@ -222,6 +222,7 @@ BAD_VALUES = [
     ("TORCHSHM_DISABLE", "maybe", "one of 1, 0, true, false, yes, no"),
     ("TORCHSHM_DISABLE", "2", "one of 1, 0, true, false, yes, no"),
     ("TORCHSHM_DISABLE", "on", "one of 1, 0, true, false, yes, no"),
+    ("TORCHSHM_TENSORS", "maybe", "one of 1, 0, true, false, yes, no"),
     ("TORCHSHM_SESSION", "../etc", "1 to 64 letters, digits, _ or -"),
     ("TORCHSHM_SESSION", "a.b", "1 to 64 letters, digits, _ or -"),
     ("TORCHSHM_SESSION", "x" * 65, "1 to 64 letters, digits, _ or -"),

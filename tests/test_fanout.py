@@ -8,11 +8,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import torchshm
 from tests import lifetime_children
 from tests.conftest import TIMEOUT
 from torchshm import _C
+from torchshm._compat import int8_tensor_over, untyped_storage
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
@@ -31,11 +33,21 @@ def _roomy(queue):
     return queue
 
 
+def shared_table(kind):
+    """(a table in a segment, that segment): an array, or a tensor born there."""
+    if kind == "array":
+        table = torchshm.share(np.arange(100_000.0))
+        return table, _C.segment_of(_C.memory_owner(table))
+    table = torchshm.empty(100_000, dtype=torch.float64)
+    table.copy_(torch.arange(100_000.0, dtype=torch.float64))
+    return table, _C.segment_of(int8_tensor_over(untyped_storage(table)))
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_ten_thousand_messages_in_flight_naming_one_segment_all_arrive(method):
+def test_ten_thousand_messages_in_flight_naming_one_segment_all_arrive(method, kind):
     ctx = mp.get_context(method)
-    table = torchshm.share(np.arange(100_000.0))
-    segment = _C.segment_of(_C.memory_owner(table))
+    table, segment = shared_table(kind)
     holders = segment.holders
     queues = [_roomy(ctx.Queue()) for _ in range(QUEUES)]
     outbox, start = ctx.Queue(), ctx.Event()

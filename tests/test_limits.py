@@ -188,6 +188,25 @@ def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
 @pytest.mark.timeout(2 * LOADER_TEST_TIMEOUT)  # two loader runs
+@pytest.mark.parametrize("samples", ["numpy", "tensor"])
+def test_the_default_collate_in_a_64_mib_dev_shm_needs_the_tensor_switch(samples):
+    # torch writes every batch of the default collate into /dev/shm: 4
+    # workers' batches in flight do not fit 64 MiB. With the switch on they
+    # are made in torchshm's memfds.
+    torch_only, switch = {
+        "numpy": ("torch", "torch_tensors"),
+        "tensor": ("tensor_samples", "tensor_samples_tensors"),
+    }[samples]
+    without = _loader_in_small_shm(torch_only)
+    assert not without["completed"] and without["batches"] < 2 * 32 // 8
+    with_switch = _loader_in_small_shm(switch)
+    assert with_switch["completed"], with_switch.get("error")
+    assert with_switch["batches"] == 2 * 32 // 8 and with_switch["bad"] == 0
+    assert with_switch["warnings"] == []
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+@pytest.mark.timeout(2 * LOADER_TEST_TIMEOUT)  # two loader runs
 def test_torchshm_leaves_torch_its_room_in_a_64_mib_dev_shm():
     # Samples carry an array and a torch tensor: torch shares the tensors
     # through /dev/shm; torchshm must not make that fail.
@@ -198,3 +217,23 @@ def test_torchshm_leaves_torch_its_room_in_a_64_mib_dev_shm():
     assert enabled["batches"] == disabled["batches"] == 2 * 32 // 8
     assert enabled["completed"] and disabled["completed"]
     assert enabled["bad"] == disabled["bad"] == 0
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_doctor_names_the_tensor_switch_where_dev_shm_is_small(switch):
+    env = dict(os.environ, PYTHONPATH=isolated.ROOT, TORCHSHM_TENSORS=switch)
+    env.pop("TORCHSHM_SESSION", None)
+    run = subprocess.run(
+        [*SMALL_SHM, sys.executable, "-m", "torchshm", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=isolated.ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())  # lines are wrapped
+    assert "/dev/shm is 64.0 MiB" in text or "/dev/shm is 64 MiB" in text, text
+    assert "TORCHSHM_TENSORS=1" in text
+    assert f"the tensor switch is {'on' if switch == '1' else 'off'} here" in text

@@ -1,0 +1,121 @@
+"""Child targets for test_tensors.py (module top level: spawn imports them).
+Every child turns the tensor switch on itself (a spawned child reads the
+environment its parent had when it started), and computes with one thread:
+a forked child's first parallel torch op waits forever for the OpenMP pool
+of its parent (libgomp)."""
+
+import os
+import resource
+import time
+
+import torch
+
+import torchshm
+from torchshm import _C
+from torchshm._compat import int8_tensor_over, untyped_storage
+
+
+def start():
+    torch.set_num_threads(1)
+    torchshm.register(tensors=True)
+
+
+def segment_name(tensor):
+    """The torchshm segment behind a tensor's storage, or None."""
+    segment = _C.segment_of(int8_tensor_over(untyped_storage(tensor)))
+    return None if segment is None else segment.name
+
+
+def describe(tensor):
+    return dict(
+        dtype=tensor.dtype,
+        shape=tuple(tensor.shape),
+        stride=tensor.stride(),
+        offset=tensor.storage_offset(),
+        requires_grad=tensor.requires_grad,
+        type=type(tensor),
+        shared=tensor.is_shared(),
+        segment=segment_name(tensor) is not None,
+    )
+
+
+def echo(inbox, outbox):
+    """Sends back each tensor it receives, with what it saw of it."""
+    start()
+    while (item := inbox.get()) is not None:
+        outbox.put((item, describe(item) if torch.is_tensor(item) else None))
+
+
+def write_and_wait(inbox, outbox):
+    """Writes 7 into the first element of the tensor it gets, says so, then
+    reports what the first element holds when asked (the parent's write)."""
+    start()
+    tensor = inbox.get()
+    tensor[0] = 7
+    outbox.put(("written", tensor.is_shared()))
+    inbox.get()
+    outbox.put(float(tensor[0]))
+
+
+def same_storage(inbox, outbox):
+    """Receives two messages that name one storage and reports whether the
+    tensors share one storage (and alias each other's bytes)."""
+    start()
+    first, second = inbox.get(), inbox.get()
+    a, b = first[0], second[0]
+    together = first[1]
+    outbox.put(
+        (
+            untyped_storage(a).data_ptr() == untyped_storage(b).data_ptr(),
+            untyped_storage(a).data_ptr() == untyped_storage(together).data_ptr(),
+            a.data_ptr() == untyped_storage(a).data_ptr() + a.storage_offset() * 4,
+        )
+    )
+
+
+def send_and_exit(outbox, n):
+    """Sends one fresh tensor and exits at once."""
+    start()
+    outbox.put(torch.arange(n, dtype=torch.float64))
+    outbox.close()
+    outbox.join_thread()
+
+
+def hold_many(inbox, outbox, nofile):
+    """Under `ulimit -n nofile`, receives tensors until None and holds them
+    all; reports how many arrived intact and how many fds it has open."""
+    start()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    held = []
+    try:
+        while (item := inbox.get()) is not None:
+            held.append(item)
+        good = sum(bool((t == i).all()) for i, t in enumerate(held))
+        outbox.put(
+            dict(received=len(held), good=good, fds=len(os.listdir("/proc/self/fd")))
+        )
+    except Exception as exc:  # noqa: BLE001 - the parent reports it
+        outbox.put(dict(received=len(held), error=f"{type(exc).__name__}: {exc}"))
+
+
+def send_tensors_and_wait(outbox, count, nbytes):
+    """Sends `count` fresh tensors, then waits to be killed."""
+    start()
+    for i in range(count):
+        outbox.put(torch.full((nbytes // 8,), float(i), dtype=torch.float64))
+    time.sleep(120)
+
+
+def send_under_fd_limit(inbox, outbox, count, hard):
+    """Under a hard fd limit of `hard`, sends `count` fresh tensors held
+    here: past a quarter of the limit torchshm cannot make segments, and
+    torch's own path must carry the rest (its receivers fetch their fds from
+    this process: it waits for the parent's word)."""
+    start()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    held = [torch.full((1024,), float(i)) for i in range(count)]
+    for t in held:
+        outbox.put(t)
+    inbox.get()  # all received: the feeder pickled them all
+    outbox.put(torchshm.stats()["fallbacks"])
+    inbox.get()

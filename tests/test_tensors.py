@@ -1,0 +1,343 @@
+"""Torch tensors through torchshm's memory (the tensor switch: TORCHSHM_TENSORS=1
+or register(tensors=True)): rebuilt as torch rebuilds them, aliased both
+ways, one storage per segment, torch's own path where torch keeps it, and
+the lifetimes arrays have (Note [Tensor storages] in csrc/tensors.h)."""
+
+import multiprocessing as mp
+import os
+import pickle
+import warnings
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchshm
+from tests import tensor_children as tc
+from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
+from tests.test_lifetime import kill_and_expect_memory_back
+from torchshm._compat import untyped_storage
+from torchshm._send import tensors as _tensors
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture
+def switch_on():
+    torchshm.register(tensors=True)
+    assert os.environ["TORCHSHM_TENSORS"] == "1"
+
+
+def in_segment(tensor):
+    return tc.segment_name(tensor) is not None
+
+
+def variants():
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    leaf = torch.ones(5, 7, requires_grad=True)
+    return {
+        "contiguous": base,
+        "transposed": base.t(),
+        "offset_and_strides": base[1:, ::3],
+        "bfloat16": torch.arange(40).to(torch.bfloat16),
+        "bool": torch.arange(40) % 3 == 0,
+        "complex64": torch.randn(30, dtype=torch.complex64),
+        "int8_scalar": torch.tensor(3, dtype=torch.int8),
+        "requires_grad": leaf,
+        "parameter": torch.nn.Parameter(torch.randn(4, 4)),
+        "empty": torch.empty(0, 3),
+    }
+
+
+@pytest.mark.parametrize("name", list(variants()))
+def test_a_tensor_arrives_as_torch_rebuilds_it_through_torchshm(
+    ctx, child, switch_on, name
+):
+    sent = variants()[name]
+    expected = sent.detach().clone()
+    c = child(ctx, tc.echo)
+    c.send(sent)
+    back, seen = c.receive()  # the child's echo of the parent's own tensor
+    assert seen["dtype"] == sent.dtype and seen["shape"] == tuple(sent.shape)
+    assert seen["stride"] == sent.stride() and seen["offset"] == sent.storage_offset()
+    assert seen["requires_grad"] == sent.requires_grad
+    assert seen["type"] is type(sent)
+    has_bytes = untyped_storage(sent).nbytes() > 0
+    # Storages with bytes are moved into a segment in place, and arrive there.
+    assert seen["segment"] == has_bytes == in_segment(sent)
+    assert seen["shared"] == has_bytes
+    torch.testing.assert_close(back.detach(), expected, rtol=0, atol=0)
+    if has_bytes:  # the storage came home: it is the parent's own again
+        assert untyped_storage(back).data_ptr() == untyped_storage(sent).data_ptr()
+    c.send(None)
+
+
+def test_writes_are_seen_both_ways(ctx, child, switch_on):
+    tensor = torch.zeros(1 << 16)
+    c = child(ctx, tc.write_and_wait)
+    c.send(tensor)
+    assert c.receive() == ("written", True)
+    assert tensor[0] == 7 and tensor.is_shared()  # the child's write, here
+    tensor[0] = 11
+    c.send("look")
+    assert c.receive() == 11.0  # ours, there
+
+
+def test_one_storage_stays_one_storage_across_messages(ctx, child, switch_on):
+    base = torch.arange(1000, dtype=torch.float32)
+    c = child(ctx, tc.same_storage)
+    c.send((base[10:], base))
+    c.send((base[:5], None))
+    same, same_as_whole, offset_kept = c.receive()
+    assert same and same_as_whole and offset_kept
+
+
+def test_a_sender_that_exits_right_after_put_still_delivers(ctx):
+    outbox = ctx.Queue()
+    p = ctx.Process(target=tc.send_and_exit, args=(outbox, 1 << 18))
+    p.start()
+    try:
+        p.join(TIMEOUT)
+        assert p.exitcode == 0
+        got = outbox.get(timeout=TIMEOUT)
+        assert torch.equal(got, torch.arange(1 << 18, dtype=torch.float64))
+        assert in_segment(got)
+        del got
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
+        outbox.close()
+        outbox.join_thread()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_consumer_under_ulimit_n_64_holds_1000_tensors(method, switch_on):
+    # torch's file_descriptor path keeps an fd per live storage in the
+    # receiver: it fails after ~50 ("received 0 items of ancdata").
+    ctx = mp.get_context(method)
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=tc.hold_many, args=(inbox, outbox, 64))
+    p.start()
+    try:
+        for i in range(1000):
+            inbox.put(torch.full((1024,), i, dtype=torch.int32))
+        inbox.put(None)
+        result = outbox.get(timeout=4 * TIMEOUT)
+        assert result == dict(received=1000, good=1000, fds=result.get("fds"))
+        assert result["fds"] < 64
+    finally:
+        p.join(TIMEOUT)
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
+        for q in (inbox, outbox):
+            q.close()
+            q.join_thread()
+    assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_killed_sender_of_tensors_frees_their_memory_within_5_s(method):
+    ctx = mp.get_context(method)
+    outbox = ctx.Queue()
+    p = ctx.Process(target=tc.send_tensors_and_wait, args=(outbox, 8, 400_000))
+    p.start()
+    try:
+        names = set()
+        for i in range(8):
+            t = outbox.get(timeout=TIMEOUT)
+            assert bool((t == i).all())
+            names.add(tc.segment_name(t))
+            del t
+        torchshm.trim()  # the mappings this process keeps for reuse
+        assert None not in names and len(names) == 8
+        kill_and_expect_memory_back(p, names)
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(TIMEOUT)
+        outbox.close()
+
+
+def test_past_its_fd_share_the_sender_falls_back_to_torch_once(ctx):
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=tc.send_under_fd_limit, args=(inbox, outbox, 24, 64))
+    p.start()
+    try:
+        got = [outbox.get(timeout=TIMEOUT) for _ in range(24)]
+        inbox.put("received")
+        fallbacks = outbox.get(timeout=TIMEOUT)
+        assert [float(t[0]) for t in got] == [float(i) for i in range(24)]
+        through = sum(map(in_segment, got))
+        assert 0 < through < 24  # torchshm's first, then torch's
+        assert fallbacks == {"too many open files": 24 - through}
+        del got
+        inbox.put("done")
+    finally:
+        p.join(TIMEOUT)
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
+        for q in (inbox, outbox):
+            q.close()
+            q.join_thread()
+    assert p.exitcode == 0
+
+
+# In this process: what stays torch's, and the switch itself -----------------
+
+
+def round_trip(obj):
+    return ForkingPickler.loads(ForkingPickler.dumps(obj))
+
+
+# torch's own path leaves an fd with multiprocessing's resource sharer until
+# a receiver fetches it: these run in a forked child, which takes it along.
+
+
+def _torchs_path_without_the_switch():
+    torch.set_num_threads(1)  # no OpenMP pool in a forked child
+    torchshm.register(tensors=False)
+    tensor = torch.ones(1000)
+    back = round_trip(tensor)
+    return (
+        not in_segment(tensor)
+        and not in_segment(back)
+        and tensor.is_shared()  # torch shared it
+        and torch.equal(back, tensor)
+    )
+
+
+def _torchs_path_for_what_torch_shared():
+    torch.set_num_threads(1)
+    torchshm.register(tensors=True)
+    tensor = torch.ones(1000).share_memory_()
+    before = untyped_storage(tensor).data_ptr()
+    back = round_trip(tensor)
+    return (
+        not in_segment(tensor)
+        and not in_segment(back)
+        and untyped_storage(tensor).data_ptr() == before
+        and torch.equal(back, tensor)
+    )
+
+
+def test_without_the_switch_tensors_keep_torchs_path():
+    assert true_in_forked_child(_torchs_path_without_the_switch)
+
+
+def test_a_tensor_torch_shared_keeps_torchs_path():
+    assert true_in_forked_child(_torchs_path_for_what_torch_shared)
+
+
+def test_torch_refuses_what_it_refuses(switch_on):
+    leaf = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Cowardly refusing"):
+        ForkingPickler.dumps(leaf * 2)
+
+
+def test_a_moved_storage_is_shared_and_share_memory_keeps_it(switch_on):
+    tensor = torch.arange(100.0)
+    view = tensor[10:20]
+    round_trip(tensor)
+    assert in_segment(tensor) and in_segment(view)  # every view moved with it
+    assert torch.equal(view, torch.arange(10.0, 20.0))
+    where = untyped_storage(tensor).data_ptr()
+    assert tensor.is_shared() and tensor.share_memory_() is tensor
+    assert untyped_storage(tensor).data_ptr() == where
+    with pytest.raises(RuntimeError, match="not resizable"):
+        tensor.resize_(1000)
+
+
+def test_torchshm_empty_goes_by_reference_without_the_switch():
+    torchshm.register(tensors=False)
+    tensor = torchshm.empty(3, 4, dtype=torch.float16)
+    assert tensor.shape == (3, 4) and tensor.dtype == torch.float16
+    assert in_segment(tensor) and tensor.is_shared()
+    before = torchshm.stats()
+    back = round_trip(tensor)
+    delta = stats_delta(before)
+    assert delta["storages_sent"] == 1 and delta["storages_moved"] == 0
+    assert untyped_storage(back).data_ptr() == untyped_storage(tensor).data_ptr()
+    assert torchshm.empty((2, 2), requires_grad=True).requires_grad
+
+
+def test_new_shared_makes_torchshm_storages_only_while_the_switch_is_on():
+    torchshm.register(tensors=False)
+    assert not in_segment(torch.empty(0).set_(torch.UntypedStorage._new_shared(64)))
+    torchshm.register(tensors=True)
+    storage = torch.UntypedStorage._new_shared(64)
+    assert storage.nbytes() == 64 and storage.is_shared()
+    assert in_segment(torch.empty(0).set_(storage))
+
+
+def test_unregister_gives_torch_its_methods_back():
+    def patched():
+        storage = torch.UntypedStorage
+        return (
+            storage.is_shared is _tensors._is_shared,
+            storage.share_memory_ is _tensors._share_memory_,
+            storage._new_shared.__func__ is _tensors._new_shared,
+        )
+
+    assert patched() == (True, True, True)
+    torchshm.unregister()
+    assert patched() == (False, False, False)
+    torchshm.register()
+    assert patched() == (True, True, True)
+
+
+def test_the_switch_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCHSHM_TENSORS", "yes")
+    torchshm.register()
+    assert _tensors.enabled()
+    monkeypatch.setenv("TORCHSHM_TENSORS", "maybe")
+    with pytest.raises(ValueError, match="TORCHSHM_TENSORS"):
+        torchshm.register()
+
+
+# DataLoader: the default collate ----------------------------------------------
+
+
+class Samples(Dataset):
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if self.kind == "numpy":
+            return np.full(4096, i, dtype=np.float32)
+        return torch.full((4096,), float(i))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_default_collate_batches_are_made_in_torchshm_memory(ctx, switch_on, kind):
+    loader = DataLoader(
+        Samples(kind),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=ctx,
+        timeout=TIMEOUT,
+        # A fork server started before the switch was set has its
+        # environment without it: the hook carries it.
+        worker_init_fn=torchshm.chain(None, tensors=True),
+        pin_memory=True,  # a no-op warning without an accelerator: it still runs
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "pin_memory", UserWarning)
+        batches = list(loader)
+    assert len(batches) == 4
+    for b, batch in enumerate(batches):
+        assert batch.shape == (4, 4096) and batch.is_shared() and in_segment(batch)
+        assert batch[:, 0].tolist() == [float(4 * b + i) for i in range(4)]
+
+
+def test_a_pickle_to_a_file_stays_by_value(switch_on):
+    tensor = torch.arange(10.0)
+    assert torch.equal(pickle.loads(pickle.dumps(tensor)), tensor)
+    assert not in_segment(tensor)
