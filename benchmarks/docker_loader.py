@@ -5,9 +5,11 @@ in whatever /dev/shm this process sees; prints one JSON line.
 
 The DataLoader of issue 20: a Dataset of 2 MiB float32 samples, batch_size 8,
 4 spawn workers, prefetch_factor 2, persistent workers. METHOD picks the
-collate function and whether workers register torchshm; the "mixed" methods
-add a small torch tensor to every sample, so that torch's own sharing (in
-/dev/shm) runs beside torchshm's.
+collate function, whether workers register torchshm, the samples (NumPy
+arrays; torch tensors; or "mixed": an array and a small tensor, so that
+torch's own sharing in /dev/shm runs beside torchshm's) and whether the
+tensor switch is on (TORCHSHM_TENSORS: torch's tensors through torchshm's
+memory instead of /dev/shm).
 """
 
 import json
@@ -29,15 +31,17 @@ TIMEOUT = 60  # a batch lost in a worker's feeder thread would hang the loop
 
 
 class Samples(torch.utils.data.Dataset):
-    def __init__(self, length, mixed):
-        self.length, self.mixed = length, mixed
+    def __init__(self, length, kind):
+        self.length, self.kind = length, kind
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, index):
+        if self.kind == "tensor":
+            return torch.full((SAMPLE_FLOATS,), float(index))
         x = np.full(SAMPLE_FLOATS, float(index), dtype=np.float32)
-        if not self.mixed:
+        if self.kind == "numpy":
             return x
         return {"x": x, "t": torch.full((TENSOR_FLOATS,), float(index))}
 
@@ -53,14 +57,18 @@ def stack_mixed(samples):
     }
 
 
-# method -> (collate_fn, workers register torchshm, mixed samples)
+# method -> (collate_fn, workers register torchshm, samples, tensor switch);
+# collate_fn None: torch's default_collate, which makes torch tensors.
 METHODS = {
-    "torchshm_collate": (torchshm.collate, True, False),
-    "torchshm": (stack, True, False),
-    "torch": (None, False, False),  # default_collate: torch tensors
-    "pipe": (stack, False, False),
-    "mixed_torchshm": (stack_mixed, True, True),
-    "mixed_disabled": (stack_mixed, False, True),
+    "torchshm_collate": (torchshm.collate, True, "numpy", False),
+    "torchshm": (stack, True, "numpy", False),
+    "torch": (None, False, "numpy", False),
+    "torch_tensors": (None, True, "numpy", True),
+    "tensor_samples": (None, False, "tensor", False),
+    "tensor_samples_tensors": (None, True, "tensor", True),
+    "pipe": (stack, False, "numpy", False),
+    "mixed_torchshm": (stack_mixed, True, "mixed", False),
+    "mixed_disabled": (stack_mixed, False, "mixed", False),
 }
 
 
@@ -70,11 +78,13 @@ def first_value(batch):
 
 
 def run(method, samples, epochs):
-    collate, register, mixed = METHODS[method]
+    collate, register, kind, tensors = METHODS[method]
     if not register:
         torchshm.unregister()  # and spawn workers never import it
+    elif tensors:
+        torchshm.register(tensors=True)  # the workers inherit the switch
     loader = torch.utils.data.DataLoader(
-        Samples(samples, mixed),
+        Samples(samples, kind),
         batch_size=BATCH,
         num_workers=WORKERS,
         prefetch_factor=2,

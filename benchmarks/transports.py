@@ -8,6 +8,8 @@ queue); they differ only in how the *sending* process pickles:
   ``multiprocessing.shared_memory.SharedMemory`` per message.
 - ``torch``: arrays travel as ``torch.from_numpy`` tensors under torch's own
   reducers (default ``file_descriptor`` strategy, so the sender stays alive).
+- ``torch_torchshm``: the same tensors with torchshm's tensor switch on
+  (``register(tensors=True)``): their storages move into torchshm's memory.
 - ``torchshm``: torchshm registered; every send snapshots into a new segment.
 - ``torchshm_shared``: ``torchshm.share`` once (untimed), then O(1) sends.
 - ``torchshm_always``: torchshm with threshold 0, to find the crossover.
@@ -33,11 +35,21 @@ import torch.utils.data
 
 import torchshm
 
-METHODS = ("pipe", "shm_pickle5", "torch", "torchshm", "torchshm_shared")
+METHODS = (
+    "pipe",
+    "shm_pickle5",
+    "torch",
+    "torch_torchshm",
+    "torchshm",
+    "torchshm_shared",
+)
+# The methods that send the arrays as torch tensors.
+TENSOR_METHODS = ("torch", "torch_torchshm")
 LABELS = {
     "pipe": "pipe + pickle",
     "shm_pickle5": "shared_memory + pickle5",
     "torch": "torch tensor",
+    "torch_torchshm": "tensor through torchshm",
     "torchshm": "torchshm",
     "torchshm_shared": "torchshm pre-shared",
     "torchshm_always": "torchshm, threshold 0",
@@ -66,10 +78,12 @@ def setup_sender(method):
         if method == "torchshm_born":
             # Arrays this process makes are born in shared memory.
             torchshm.set_allocator(True)
+    elif method == "torch_torchshm":
+        torchshm.register(tensors=True)
     else:
         # The baselines must not be helped by torchshm's reducers.
         torchshm.unregister()
-    if method == "torch":
+    if method in TENSOR_METHODS:
         # Arrays nested in other objects (DataFrame blocks, xarray variables)
         # become tensors too; top-level ones are converted in `prepare`.
         for t in (np.ndarray, np.memmap, np.recarray):
@@ -82,7 +96,7 @@ def prepare(method, obj):
         return torchshm.share(obj)
     if method == "shm_pickle5":
         return OutOfBand(obj)
-    if method == "torch":
+    if method in TENSOR_METHODS:
         return _map_arrays(obj, _as_tensor)
     return obj
 
@@ -167,7 +181,7 @@ def _load_out_of_band(data, name, sizes):
 
 def finish(method, obj):
     """The received payload as the application uses it: NumPy arrays."""
-    if method == "torch":
+    if method in TENSOR_METHODS:
         return _map_arrays(obj, lambda t: t.numpy() if torch.is_tensor(t) else t)
     return obj
 

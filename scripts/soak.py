@@ -128,9 +128,21 @@ def make_arrays(sender, seq, spec):
     return a, b, a[1::3]
 
 
+def as_tensors(arrays):
+    """The message's arrays as torch tensors, the strided view a view of the
+    first tensor (so that one storage is sent with two of its views)."""
+    import torch
+
+    a, b, _ = arrays
+    first = torch.from_numpy(a)
+    return first, torch.from_numpy(b), first[1::3]
+
+
 def verify(sender, seq, spec, arrays):
     try:
         expected = make_arrays(sender, seq, spec)
+        # Tensors (the tensor switch) are checked through NumPy views.
+        arrays = [x.numpy() if hasattr(x, "numpy") else x for x in arrays]
         return len(arrays) == len(expected) and all(
             got.dtype == want.dtype
             and got.shape == want.shape
@@ -220,6 +232,12 @@ def sender(cfg, s, channel, shared):
     _limit_fds(cfg["sender_nofile"])
     import torchshm  # noqa: F401  registers the reducers (spawn starts bare)
 
+    if cfg["tensors"]:
+        import torch
+
+        torch.set_num_threads(1)  # a forked sender: no OpenMP pool
+        torchshm.register(tensors=True)
+
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
     started = time.monotonic()
@@ -234,7 +252,9 @@ def sender(cfg, s, channel, shared):
         if now < started + seq * interval:
             time.sleep(started + seq * interval - now)
         spec = message_spec(rng, cfg["max_bytes"])
-        message = (s, seq, spec, make_arrays(s, seq, spec))
+        arrays = make_arrays(s, seq, spec)
+        message = (s, seq, spec, as_tensors(arrays) if cfg["tensors"] else arrays)
+        del arrays
         shared.begun[s * MAX_MESSAGES + seq] = time.monotonic()
         try:
             if not channel.send(message, lambda: shared.receiver_dead[owner]):
@@ -775,6 +795,8 @@ def round_config(rng, index, send_seconds, hang_seconds):
         "owners": owners,
         "pause": rng.choice((0.0, 0.002, 0.02)),
         "abrupt_exit": [rng.random() < 0.5 for _ in range(n_send)],
+        # torch tensors through torchshm's memory (the tensor switch)
+        "tensors": rng.random() < 0.5,
         "send_seconds": send_seconds,
         "hang_seconds": hang_seconds,
         "faults": {
@@ -795,8 +817,9 @@ def describe(cfg):
     faults = ", ".join(f"{k} {v}" for k, v in cfg["faults"].items() if v)
     pool = "off" if cfg["pool_bytes"] == "0" else "on"
     idle = f" idle {cfg['pool_idle']} s" if cfg["pool_idle"] else ""
+    what = "tensors" if cfg["tensors"] else "arrays"
     return (
-        f"{cfg['method']}, pool {pool}{idle}, nofile {nofile}, "
+        f"{cfg['method']}, {what}, pool {pool}{idle}, nofile {nofile}, "
         f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "
         f"{cfg['receivers']} receivers {cfg['owners']}, up to {size(cfg['max_bytes'])},"
         f" pause {cfg['pause']} s, faults: {faults or 'none'}"

@@ -36,4 +36,12 @@ def run(quick, bar):
             gbps = nbytes / steady["median"] / 1e9
             result.extra("steady (sends 2..N)", f"GB/s {LABELS[method]}", gbps)
         bar.update()
+    tensors = result.get("steady (sends 2..N)", "torch_torchshm")
+    arrays = result.get("steady (sends 2..N)", "torchshm")
+    if tensors and arrays:
+        result.extra(
+            "steady (sends 2..N)",
+            "tensor via torchshm / torchshm",
+            tensors["median"] / arrays["median"],
+        )
     return result

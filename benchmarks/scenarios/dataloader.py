@@ -2,8 +2,9 @@
 
 The collate function is what differs: `np.stack` (sent by pipe + pickle,
 shared_memory + pickle5 or torchshm), torch's default collate (stacks into
-torch shared memory inside the worker) and `torchshm.collate` (stacks into one
-torchshm segment per batch, so the send is O(1)).
+torch shared memory inside the worker; with torchshm's tensor switch on, into
+a pooled torchshm segment) and `torchshm.collate` (stacks into one torchshm
+segment per batch, so the send is O(1)).
 """
 
 import time
@@ -51,10 +52,18 @@ COLLATES = {
     "pipe": stack,
     "shm_pickle5": stack_out_of_band,
     "torch": torch.utils.data.default_collate,
+    "torch_torchshm": torch.utils.data.default_collate,
     "torchshm": stack,
 }
 if hasattr(torchshm, "collate"):
     COLLATES["torchshm_collate"] = torchshm.collate
+
+
+GBPS_NAMES = {
+    "torch": "default",
+    "torch_torchshm": "default via torchshm",
+    "torchshm_collate": "torchshm.collate",
+}
 
 
 def epoch_seconds(method, workers, dataset, batch, epochs):
@@ -106,8 +115,16 @@ def run(quick, bar):
         for method in COLLATES:
             seconds = epoch_seconds(method, workers, dataset, batch, epochs)
             row = result.add(label, method, seconds)
-            if method in ("torch", "torchshm_collate"):
-                name = "default" if method == "torch" else "torchshm.collate"
-                result.extra(label, f"GB/s {name}", epoch_bytes / row["median"] / 1e9)
+            if method in GBPS_NAMES:
+                gbps = epoch_bytes / row["median"] / 1e9
+                result.extra(label, f"GB/s {GBPS_NAMES[method]}", gbps)
             bar.update()
+        tensors = result.get(label, "torch_torchshm")
+        collate = result.get(label, "torchshm_collate")
+        if tensors and collate:
+            result.extra(
+                label,
+                "default via torchshm / torchshm.collate",
+                tensors["median"] / collate["median"],
+            )
     return result

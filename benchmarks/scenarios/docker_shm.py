@@ -5,7 +5,8 @@ Each run is a child (benchmarks/docker_loader.py) in a mount namespace of its
 own with a tmpfs of that size on /dev/shm, as a container has; the two sizes
 alternate, so that both see the same machine. Rows: torchshm.collate,
 np.stack through torchshm's reducer, torch's default_collate (its tensors are
-shared through /dev/shm) and plain pickling; then samples carrying a torch
+shared through /dev/shm) without and with torchshm's tensor switch, the same
+for torch tensor samples, and plain pickling; then samples carrying a torch
 tensor beside the array, with torchshm and with TORCHSHM_DISABLE=1.
 Needs root (a mount namespace and a mount); without it, says so and skips.
 """
@@ -69,7 +70,15 @@ def child(method, size, samples, epochs):
 
 def run(quick, bar):
     samples, epochs = (32, 2) if quick else (128, 4)
-    repeats = {"torchshm_collate": 3, "torchshm": 3, "torch": 1, "pipe": 1}
+    repeats = {
+        "torchshm_collate": 3,
+        "torchshm": 3,
+        "torch": 1,
+        "torch_tensors": 2,
+        "tensor_samples": 1,
+        "tensor_samples_tensors": 2,
+        "pipe": 1,
+    }
     if quick:
         repeats = dict.fromkeys(repeats, 1)
     result = Result(
@@ -80,7 +89,9 @@ def run(quick, bar):
             "Epoch time, median [min-max] of epochs 2.. over all runs (the first"
             " epoch starts the workers); the two /dev/shm sizes alternate."
             " torchshm's segments are memfds, so /dev/shm bounds only torch's"
-            " own tensors (the 'torch' row, and the tensors of the mixed rows).",
+            " own tensors (the 'torch' and 'tensor_samples' rows, and the"
+            " tensors of the mixed rows); '_tensors' rows have the tensor"
+            " switch on (TORCHSHM_TENSORS=1).",
         ],
     )
     why_not = cannot_run()

@@ -76,6 +76,8 @@ def summarize_crossover(result, sizes):
         shm = result.get(label, "torchshm")["median"]
         pipe = result.get(label, "pipe")["median"]
         torch = result.get(label, "torch")["median"]
+        tensors = result.get(label, "torch_torchshm")["median"]
+        result.extra(label, "tensor via torchshm / torch", tensors / torch)
         result.extra(label, "torchshm / pipe", shm / pipe)
         result.extra(label, RATIO, shm / min(pipe, torch))
         again = result.get(label, "pipe_again")["median"]
