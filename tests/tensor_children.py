@@ -98,6 +98,31 @@ def hold_many(inbox, outbox, nofile):
         outbox.put(dict(received=len(held), error=f"{type(exc).__name__}: {exc}"))
 
 
+def torchs_path(inbox, outbox, switch, torch_shared):
+    """Sends a tensor to itself with torch's own reducers in charge (the
+    switch off, or a tensor torch shared first); reports what it saw. In a
+    child: torch's fd path leaves an fd with multiprocessing's resource
+    sharer until a receiver fetches it, and a child takes that along."""
+    from multiprocessing.reduction import ForkingPickler
+
+    torch.set_num_threads(1)
+    torchshm.register(tensors=switch)
+    tensor = torch.ones(1000)
+    if torch_shared:
+        tensor.share_memory_()
+    before = untyped_storage(tensor).data_ptr()
+    back = ForkingPickler.loads(ForkingPickler.dumps(tensor))
+    outbox.put(
+        dict(
+            in_segment=segment_name(tensor) is not None,
+            back_in_segment=segment_name(back) is not None,
+            shared=tensor.is_shared(),
+            equal=torch.equal(back, tensor),
+            moved=untyped_storage(tensor).data_ptr() != before,
+        )
+    )
+
+
 def send_tensors_and_wait(outbox, count, nbytes):
     """Sends `count` fresh tensors, then waits to be killed."""
     start()
