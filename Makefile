@@ -90,6 +90,7 @@ lint:
 	flake8 torchshm tests benchmarks scripts setup.py
 	bash -n scripts/debian_lane.sh
 	bash -n scripts/apt_install.sh
+	bash -n scripts/torch_suites.sh
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:
