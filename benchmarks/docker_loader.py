@@ -1,7 +1,7 @@
 """One DataLoader run for scenario 12 (benchmarks/scenarios/docker_shm.py),
 in whatever /dev/shm this process sees; prints one JSON line.
 
-    python -m benchmarks.docker_loader METHOD SAMPLES EPOCHS
+    python -m benchmarks.docker_loader METHOD SAMPLES EPOCHS [hold]
 
 The DataLoader of issue 20: a Dataset of 2 MiB float32 samples, batch_size 8,
 4 spawn workers, prefetch_factor 2, persistent workers. METHOD picks the
@@ -9,7 +9,10 @@ collate function, whether workers register torchshm, the samples (NumPy
 arrays; torch tensors; or "mixed": an array and a small tensor, so that
 torch's own sharing in /dev/shm runs beside torchshm's) and whether the
 tensor switch is on (TORCHSHM_TENSORS: torch's tensors through torchshm's
-memory instead of /dev/shm).
+memory instead of /dev/shm). With "hold", the main process keeps every batch
+of an epoch until its end, so that all of them are in shared memory at once
+(whether batches in flight overflow a small /dev/shm otherwise depends on how
+fast the main process consumes them).
 """
 
 import json
@@ -77,7 +80,7 @@ def first_value(batch):
     return float(x[0][0])
 
 
-def run(method, samples, epochs):
+def run(method, samples, epochs, hold=False):
     collate, register, kind, tensors = METHODS[method]
     if not register:
         torchshm.unregister()  # and spawn workers never import it
@@ -100,11 +103,15 @@ def run(method, samples, epochs):
         try:
             for _ in range(epochs + 1):  # the first starts the workers
                 start = time.perf_counter()
+                held = []
                 for i, batch in enumerate(loader):
                     result["batches"] += 1
                     result["bad"] += first_value(batch) != float(i * BATCH)
+                    if hold:
+                        held.append(batch)
                     del batch
                 result["epochs"].append(time.perf_counter() - start)
+                del held
             result["completed"] = True
         except Exception as exc:  # noqa: BLE001 - the row says what failed
             result["completed"] = False
@@ -118,4 +125,5 @@ def run(method, samples, epochs):
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    hold = sys.argv[4:] == ["hold"]
+    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), hold)))

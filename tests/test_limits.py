@@ -140,7 +140,7 @@ def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks
             q.join_thread()
 
 
-def _loader_in_small_shm(method, samples=32, env=None):
+def _loader_in_small_shm(method, samples=32, env=None, hold=False):
     """benchmarks/docker_loader.py's JSON for one run in a private 64 MiB
     /dev/shm (the DataLoader of issue 20: 4 spawn workers, 2 MiB samples)."""
     env = dict(env or os.environ, PYTHONPATH=isolated.ROOT)
@@ -148,7 +148,8 @@ def _loader_in_small_shm(method, samples=32, env=None):
     env["TORCHSHM_THRESHOLD"] = "256K"  # the default, not the suite's
     proc = subprocess.Popen(
         [*SMALL_SHM, sys.executable, "-m", "benchmarks.docker_loader", method]
-        + [str(samples), "1"],
+        + [str(samples), "1"]
+        + (["hold"] if hold else []),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -190,18 +191,19 @@ def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
 @pytest.mark.timeout(2 * LOADER_TEST_TIMEOUT)  # two loader runs
 @pytest.mark.parametrize("samples", ["numpy", "tensor"])
 def test_the_default_collate_in_a_64_mib_dev_shm_needs_the_tensor_switch(samples):
-    # torch writes every batch of the default collate into /dev/shm: 4
-    # workers' batches in flight do not fit 64 MiB. With the switch on they
-    # are made in torchshm's memfds.
+    # torch writes every batch of the default collate into /dev/shm. Held
+    # together (48 samples: 6 batches of 16 MiB) they cannot fit 64 MiB;
+    # with the switch on they are made in torchshm's memfds. (Not held,
+    # whether torch's batches in flight overflow depends on the timing.)
     torch_only, switch = {
         "numpy": ("torch", "torch_tensors"),
         "tensor": ("tensor_samples", "tensor_samples_tensors"),
     }[samples]
-    without = _loader_in_small_shm(torch_only)
-    assert not without["completed"] and without["batches"] < 2 * 32 // 8
-    with_switch = _loader_in_small_shm(switch)
+    without = _loader_in_small_shm(torch_only, samples=48, hold=True)
+    assert not without["completed"] and without["batches"] < 2 * 48 // 8
+    with_switch = _loader_in_small_shm(switch, samples=48, hold=True)
     assert with_switch["completed"], with_switch.get("error")
-    assert with_switch["batches"] == 2 * 32 // 8 and with_switch["bad"] == 0
+    assert with_switch["batches"] == 2 * 48 // 8 and with_switch["bad"] == 0
     assert with_switch["warnings"] == []
 
 
