@@ -47,10 +47,8 @@ py::object LiveViews::get(const std::string& name) {
 
 void LiveViews::remember(const std::string& name, py::handle owner,
                          py::handle callback) {
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
-  View* view = view_of(tensor);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  const at::Storage& storage = view->keep ? view->keep : tensor.storage();
+  const at::Storage storage =
+      slot_owner_storage(THPVariable_Unpack(owner.ptr()));
   refs_.insert_or_assign(
       name, Entry{weak_ref(owner, callback), storage.getWeakStorageImpl()});
   if (refs_.size() > prune_at_) {

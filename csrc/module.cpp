@@ -34,14 +34,9 @@
 
 namespace {
 
+using torchshm::checked_view;
 using torchshm::Segment;
 using torchshm::View;
-
-View& checked_view(const at::Tensor& tensor) {
-  View* view = torchshm::view_of(tensor);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  return *view;
-}
 
 PyObject* shm_error_type = nullptr;
 

@@ -45,12 +45,6 @@ SegmentStorages& segment_storages() {
   return *storages;
 }
 
-View& checked_view(const at::Tensor& owner) {
-  View* view = view_of(owner);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  return *view;
-}
-
 }  // namespace
 
 void move_storage(const at::Tensor& tensor, const at::Tensor& owner,

@@ -93,6 +93,17 @@ View* view_of(const at::Tensor& tensor) {
   return view_of(tensor.storage());
 }
 
+View& checked_view(const at::Tensor& tensor) {
+  View* view = view_of(tensor);
+  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  return *view;
+}
+
+at::Storage slot_owner_storage(const at::Tensor& tensor) {
+  const View& view = checked_view(tensor);
+  return view.keep ? view.keep : tensor.storage();
+}
+
 at::Tensor tensor_of(at::Storage storage) {
   const int64_t n = static_cast<int64_t>(storage.nbytes());
   // What at::empty + set_ make, without two trips through the dispatcher
@@ -123,21 +134,18 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
 }
 
 at::DataPtr shared_alias(const at::Tensor& owner) {
-  View* view = view_of(owner);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
-  const at::Storage keep = view->keep ? view->keep : owner.storage();
-  return at::DataPtr(
-      view->segment->data(),
-      new View(view->segment, -1, 0, Segment::Mapping::kShared, keep),
-      &delete_view, at::Device(at::kCPU));
+  const std::shared_ptr<Segment>& segment = checked_view(owner).segment;
+  return at::DataPtr(segment->data(),
+                     new View(segment, -1, 0, Segment::Mapping::kShared,
+                              slot_owner_storage(owner)),
+                     &delete_view, at::Device(at::kCPU));
 }
 
 at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
                          int threads) {
-  View* view = view_of(owner);
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  View* view = &checked_view(owner);
   if (view->kind == kind) return owner;
-  const at::Storage keep = view->keep ? view->keep : owner.storage();
+  const at::Storage keep = slot_owner_storage(owner);
   if (kind == Segment::Mapping::kShared) return tensor_of(keep);
   const auto& segment = view->segment;
   uint8_t* mine = nullptr;
@@ -162,8 +170,7 @@ py::object mapped_object(py::handle owner, Segment::Mapping kind, int threads) {
 }
 
 py::object message_owner(py::handle owner, int threads) {
-  View* view = view_of(THPVariable_Unpack(owner.ptr()));
-  TORCH_CHECK(view != nullptr, "expected a tensor over a torchshm segment");
+  View* view = &checked_view(THPVariable_Unpack(owner.ptr()));
   if (view->segment->snapshot()) {
     py::object mine = mapped_object(owner, Segment::Mapping::kPrivate, threads);
     if (!mine.is_none()) return mine;

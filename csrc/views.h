@@ -86,6 +86,11 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
 // The view behind a tensor's storage, or nullptr if it is not one of ours.
 View* view_of(const at::Tensor& tensor);
 View* view_of(const at::Storage& storage);
+// The view behind a tensor's storage; raises if it is not one of ours.
+View& checked_view(const at::Tensor& tensor);
+// The storage of the view that owns the slot of `tensor`'s view: its alias's
+// `keep`, or its own (raises if it is not one of ours).
+at::Storage slot_owner_storage(const at::Tensor& tensor);
 // A new int8 tensor over all of `storage` (a view's).
 at::Tensor tensor_of(at::Storage storage);
 // What a message's arrays are rebuilt over (Note [Snapshots are mapped
