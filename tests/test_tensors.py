@@ -114,29 +114,16 @@ def test_a_sender_that_exits_right_after_put_still_delivers(ctx):
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_consumer_under_ulimit_n_64_holds_1000_tensors(method, switch_on):
+def test_a_consumer_under_ulimit_n_64_holds_1000_tensors(child, method, switch_on):
     # torch's file_descriptor path keeps an fd per live storage in the
     # receiver: it fails after ~50 ("received 0 items of ancdata").
-    ctx = mp.get_context(method)
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=tc.hold_many, args=(inbox, outbox, 64))
-    p.start()
-    try:
-        for i in range(1000):
-            inbox.put(torch.full((1024,), i, dtype=torch.int32))
-        inbox.put(None)
-        result = outbox.get(timeout=4 * TIMEOUT)
-        assert result == dict(received=1000, good=1000, fds=result.get("fds"))
-        assert result["fds"] < 64
-    finally:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
-        for q in (inbox, outbox):
-            q.close()
-            q.join_thread()
-    assert p.exitcode == 0
+    c = child(mp.get_context(method), tc.hold_many, 64)
+    for i in range(1000):
+        c.send(torch.full((1024,), i, dtype=torch.int32))
+    c.send(None)
+    result = c.outbox.get(timeout=4 * TIMEOUT)
+    assert result == dict(received=1000, good=1000, fds=result.get("fds"))
+    assert result["fds"] < 64
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -161,32 +148,20 @@ def test_a_killed_sender_of_tensors_frees_their_memory_within_5_s(method):
         outbox.close()
 
 
-def test_past_its_fd_share_the_sender_falls_back_to_torch_once(ctx):
+def test_past_its_fd_share_the_sender_falls_back_to_torch_once(child, ctx):
     # A hard limit of 256: torchshm keeps at most 64 segment fds; torch's
     # path needs two fds per storage while a receiver fetches it.
     count = 80
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=tc.send_under_fd_limit, args=(inbox, outbox, count, 256))
-    p.start()
-    try:
-        got = [outbox.get(timeout=TIMEOUT) for _ in range(count)]
-        inbox.put("received")
-        fallbacks = outbox.get(timeout=TIMEOUT)
-        assert [float(t[0]) for t in got] == [float(i) for i in range(count)]
-        through = sum(map(in_segment, got))
-        assert 0 < through < count  # torchshm's first, then torch's
-        assert fallbacks == {"too many open files": count - through}
-        del got
-        inbox.put("done")
-    finally:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
-        for q in (inbox, outbox):
-            q.close()
-            q.join_thread()
-    assert p.exitcode == 0
+    c = child(ctx, tc.send_under_fd_limit, count, 256)
+    got = [c.receive() for _ in range(count)]
+    c.send("received")
+    fallbacks = c.receive()
+    assert [float(t[0]) for t in got] == [float(i) for i in range(count)]
+    through = sum(map(in_segment, got))
+    assert 0 < through < count  # torchshm's first, then torch's
+    assert fallbacks == {"too many open files": count - through}
+    del got
+    c.send("done")
 
 
 # In this process: what stays torch's, and the switch itself -----------------
