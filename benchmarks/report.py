@@ -35,11 +35,20 @@ class Result:
         self.rows = []  # dicts: case, method, median, min, max, n, first, samples
         self.extras = {}  # case -> {column: value}
         self.summary = {}  # scenario-level conclusions, e.g. the crossover
+        self.failures = {}  # (case, method) -> why it has no value
 
     def add(self, case, method, samples, warmup=1):
         row = {"case": case, "method": method, **summarize(samples, warmup)}
         self.rows.append(row)
         return row
+
+    def fail(self, case, method, why):
+        """A method that could not run on a case: its column stays in the
+        table with "failed", and the notes say why (once per reason)."""
+        self.failures[(case, method)] = why
+        note = f"{LABELS.get(method, method)}: {why}"
+        if note not in self.notes:
+            self.notes.append(note)
 
     def get(self, case, method):
         for row in self.rows:
@@ -48,10 +57,12 @@ class Result:
         return None
 
     def cases(self):
-        return list(dict.fromkeys(row["case"] for row in self.rows))
+        cases = [row["case"] for row in self.rows] + [c for c, _ in self.failures]
+        return list(dict.fromkeys(cases + list(self.extras)))
 
     def methods(self):
-        return list(dict.fromkeys(row["method"] for row in self.rows))
+        methods = [row["method"] for row in self.rows]
+        return list(dict.fromkeys(methods + [m for _, m in self.failures]))
 
     def ratio(self, case, method, against=BASELINE):
         row, base = self.get(case, method), self.get(case, against)
@@ -73,6 +84,10 @@ class Result:
             "rows": self.rows,
             "extras": self.extras,
             "summary": self.summary,
+            "failures": [
+                {"case": c, "method": m, "why": why}
+                for (c, m), why in self.failures.items()
+            ],
         }
 
 
@@ -110,7 +125,7 @@ def markdown(result):
         for method in methods:
             row = result.get(case, method)
             if row is None:
-                cells.append("")
+                cells.append("failed" if (case, method) in result.failures else "")
                 continue
             ratio = result.ratio(case, method)
             cell = (
@@ -203,11 +218,15 @@ def plot(result, ax=None):
             [row["max"] - row["median"] for row in rows if row],
         ]
         label = LABELS.get(method, method)
+        # With the peers there are more methods than the default 10 colours.
+        color = matplotlib.colormaps["tab20"](i % 20)
         if result.name == "per_item":
-            ax.errorbar(xs, med, yerr=err, marker="o", ms=3, capsize=2, label=label)
+            ax.errorbar(
+                xs, med, yerr=err, marker="o", ms=3, capsize=2, label=label, color=color
+            )
         else:
             offset = [v - 0.4 + width * (i + 0.5) for v in xs]
-            ax.bar(offset, med, width, yerr=err, capsize=2, label=label)
+            ax.bar(offset, med, width, yerr=err, capsize=2, label=label, color=color)
     ax.set_xticks(x)
     ax.set_xticklabels(cases, rotation=30 if len(cases) > 4 else 0, ha="right")
     ax.set_yscale("log")

@@ -18,7 +18,10 @@ def run(names=("all",), quick=False, progress=True):
         for module in modules:
             bar.set_description(module.NAME)
             FALLBACKS.clear()
-            result = module.run(quick, bar)
+            try:
+                result = module.run(quick, bar)
+            finally:
+                close_senders(peers_only=True)
             # Object arrays (strings, labels) are pickled by design; anything
             # else means torchshm's numbers are really pickling's.
             failures = {k: v for k, v in FALLBACKS.items() if k != "object dtype"}

@@ -14,6 +14,10 @@ queue); they differ only in how the *sending* process pickles:
 - ``torchshm_shared``: ``torchshm.share`` once (untimed), then O(1) sends.
 - ``torchshm_always``: torchshm with threshold 0, to find the crossover.
 - ``pipe_again``: ``pipe`` from a second sender process, the A/A control.
+- Peers (benchmarks/peers.py): ``torch_fs`` (the tensors under torch's
+  ``file_system`` strategy) and ``tensordict`` (a ``TensorDict`` after
+  ``share_memory_()``) go through the same Pipe; ``ray`` and ``joblib`` have
+  senders of their own with the same interface.
 
 A method has three hooks: `setup_sender` (once per sending process),
 `prepare` (per payload, in the sender, untimed) and `finish` (per payload, in
@@ -44,7 +48,7 @@ METHODS = (
     "torchshm_shared",
 )
 # The methods that send the arrays as torch tensors.
-TENSOR_METHODS = ("torch", "torch_torchshm")
+TENSOR_METHODS = ("torch", "torch_torchshm", "torch_fs", "tensordict")
 LABELS = {
     "pipe": "pipe + pickle",
     "shm_pickle5": "shared_memory + pickle5",
@@ -58,6 +62,10 @@ LABELS = {
     "torchshm_born": "torchshm, allocator on",
     "torchshm_initializer": "torchshm, initializer argument",
     "joblib": "joblib Parallel",
+    "ray": "Ray",
+    "grain": "Grain DataLoader",
+    "tensordict": "tensordict share_memory_",
+    "torch_fs": "torch tensor, file_system",
 }
 PAGE = 4096
 # torchshm's fallbacks (pickled by value instead) in Sender children, by
@@ -83,6 +91,8 @@ def setup_sender(method):
     else:
         # The baselines must not be helped by torchshm's reducers.
         torchshm.unregister()
+    if method == "torch_fs":
+        torch.multiprocessing.set_sharing_strategy("file_system")
     if method in TENSOR_METHODS:
         # Arrays nested in other objects (DataFrame blocks, xarray variables)
         # become tensors too; top-level ones are converted in `prepare`.
@@ -96,9 +106,42 @@ def prepare(method, obj):
         return torchshm.share(obj)
     if method == "shm_pickle5":
         return OutOfBand(obj)
+    if method == "tensordict":
+        return SharedTensorDict(obj)
     if method in TENSOR_METHODS:
         return _map_arrays(obj, _as_tensor)
     return obj
+
+
+class SharedTensorDict:
+    """The payload as a TensorDict of its tensors, put in shared memory by
+    ``share_memory_()`` when it is pickled (so the copy is timed, as torch's
+    own sharing in its reducer is): an array is key "x", a list of arrays
+    keys "0".."n-1"."""
+
+    def __init__(self, obj):
+        if isinstance(obj, np.ndarray):
+            self.fields = {"x": obj}
+        elif isinstance(obj, list) and all(isinstance(a, np.ndarray) for a in obj):
+            self.fields = {str(i): a for i, a in enumerate(obj)}
+        else:
+            raise TypeError(f"no TensorDict for a {type(obj).__name__} payload")
+
+    def __reduce__(self):
+        from tensordict import TensorDict
+
+        tensors = {k: torch.from_numpy(a) for k, a in self.fields.items()}
+        return _identity, (TensorDict(tensors, batch_size=[]).share_memory_(),)
+
+
+def _identity(obj):
+    return obj
+
+
+def _from_tensordict(td):
+    if "x" in td.keys():
+        return td["x"].numpy()
+    return [td[str(i)].numpy() for i in range(len(td.keys()))]
 
 
 def _as_tensor(array):
@@ -181,6 +224,8 @@ def _load_out_of_band(data, name, sizes):
 
 def finish(method, obj):
     """The received payload as the application uses it: NumPy arrays."""
+    if method == "tensordict":
+        return _from_tensordict(obj)
     if method in TENSOR_METHODS:
         return _map_arrays(obj, lambda t: t.numpy() if torch.is_tensor(t) else t)
     return obj
@@ -267,6 +312,8 @@ class Sender:
         )
         self.process.start()
         child.close()
+        if method == "tensordict":  # its import is set-up, not the first send
+            import tensordict  # noqa: F401
         self._recv()  # ready: imports done, transport set up
 
     def measure(self, make, args=(), count=1, holding=None):
@@ -354,17 +401,28 @@ _senders = {}
 def sender(method):
     """The persistent Sender for `method`, started on first use and shared by
     all scenarios of a run."""
-    if not _senders:
-        # Takes effect only if this process has not started its forkserver.
-        mp.set_forkserver_preload(SENDER_PRELOAD)
+    from benchmarks import peers  # peers imports this module
+
+    if method in peers.SENDERS:
+        if method not in _senders:
+            _senders[method] = peers.SENDERS[method]()
+        return _senders[method]
+    # Takes effect only if this process has not started its forkserver.
+    mp.set_forkserver_preload(SENDER_PRELOAD)
     if method not in _senders or not _senders[method].process.is_alive():
         _senders[method] = Sender(method)
     return _senders[method]
 
 
-def close_senders():
-    while _senders:
-        _senders.popitem()[1].close()
+def close_senders(peers_only=False):
+    """Closes the senders (only the peers' between scenarios: Ray's daemons
+    would otherwise use CPU under scenarios that do not measure it)."""
+    from benchmarks import peers
+
+    for method in list(_senders):
+        if not peers_only or method in peers.SENDERS:
+            _senders.pop(method).close()
+    peers.close()
 
 
 # -- through a DataLoader worker --------------------------------------------
