@@ -12,7 +12,9 @@ tensor switch is on (TORCHSHM_TENSORS: torch's tensors through torchshm's
 memory instead of /dev/shm). With "hold", the main process keeps every batch
 of an epoch until its end, so that all of them are in shared memory at once
 (whether batches in flight overflow a small /dev/shm otherwise depends on how
-fast the main process consumes them).
+fast the main process consumes them). METHOD "grain" is Grain's own
+DataLoader over the same samples (4 workers, Batch(8), worker_buffer_size 2):
+its batches go through /dev/shm as SharedMemoryArrays.
 """
 
 import json
@@ -75,12 +77,57 @@ METHODS = {
 }
 
 
-def first_value(batch):
+def sample_values(batch):
+    """Each sample's first value: its index."""
     x = batch["x"] if isinstance(batch, dict) else batch
-    return float(x[0][0])
+    return [float(sample[0]) for sample in x]
+
+
+def epochs_of(loader, samples, epochs, hold, result):
+    """Times `epochs + 1` epochs of `loader()` (an epoch's batches) into
+    result: "completed", or the error that stopped it. "bad" counts samples
+    missing, repeated or wrong in an epoch (in any order: Grain's workers
+    batch their own records)."""
+    try:
+        for _ in range(epochs + 1):  # the first starts the workers
+            start = time.perf_counter()
+            held, seen = [], []
+            for batch in loader():
+                result["batches"] += 1
+                seen += sample_values(batch)
+                if hold:
+                    held.append(batch)
+                del batch
+            result["epochs"].append(time.perf_counter() - start)
+            expected = [float(i) for i in range(samples)]
+            result["bad"] += sum(a != b for a, b in zip(sorted(seen), expected))
+            result["bad"] += abs(len(seen) - samples)
+            del held
+        result["completed"] = True
+    except Exception as exc:  # noqa: BLE001 - the row says what failed
+        result["completed"] = False
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def run_grain(samples, epochs, hold):
+    """Grain's loader: all epochs in one iterator (its workers start once)."""
+    from benchmarks import peers
+
+    torchshm.unregister()
+    dataset = Samples(samples, "numpy")
+    batches = iter(peers.grain_loader(dataset, BATCH, WORKERS, epochs + 1, buffer=2))
+    per_epoch = samples // BATCH
+    result = {"method": "grain", "epochs": [], "batches": 0, "bad": 0}
+    epochs_of(
+        lambda: (next(batches) for _ in range(per_epoch)), samples, epochs, hold, result
+    )
+    result["warnings"] = []
+    return result
 
 
 def run(method, samples, epochs, hold=False):
+    if method == "grain":
+        return run_grain(samples, epochs, hold)
     collate, register, kind, tensors = METHODS[method]
     if not register:
         torchshm.unregister()  # and spawn workers never import it
@@ -100,24 +147,11 @@ def run(method, samples, epochs, hold=False):
     result = {"method": method, "epochs": [], "batches": 0, "bad": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        epoch = loader.__iter__  # each call: an epoch's batches
         try:
-            for _ in range(epochs + 1):  # the first starts the workers
-                start = time.perf_counter()
-                held = []
-                for i, batch in enumerate(loader):
-                    result["batches"] += 1
-                    result["bad"] += first_value(batch) != float(i * BATCH)
-                    if hold:
-                        held.append(batch)
-                    del batch
-                result["epochs"].append(time.perf_counter() - start)
-                del held
-            result["completed"] = True
-        except Exception as exc:  # noqa: BLE001 - the row says what failed
-            result["completed"] = False
-            result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            epochs_of(epoch, samples, epochs, hold, result)
         finally:
-            del loader
+            del loader, epoch  # shuts the persistent workers down
     result["warnings"] = [
         str(w.message)[:300] for w in caught if "torchshm" in str(w.message)
     ]

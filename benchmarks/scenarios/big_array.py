@@ -6,10 +6,12 @@ DataLoader epochs produce), and the effective bandwidth of the steady state.
 
 import numpy as np
 
+from benchmarks import peers
 from benchmarks.report import Result
 from benchmarks.transports import LABELS, METHODS, sender
 
 NAME = "big_array"
+CASES = ("first send", "steady (sends 2..N)")
 
 
 def make_arange(n):
@@ -27,15 +29,23 @@ def run(quick, bar):
             " median [min-max] of sends 2..N. The receiver reads every page.",
         ],
     )
-    bar.reset(total=len(METHODS))
-    for method in METHODS:
-        seconds = sender(method).measure(make_arange, (n,), sends)
+    methods = METHODS + peers.methods(peers.SEND_METHODS + ("tensordict",))
+    bar.reset(total=len(methods))
+    for method in methods:
+        seconds = peers.attempt(
+            result,
+            CASES,
+            method,
+            lambda: sender(method).measure(make_arange, (n,), sends),
+        )
+        bar.update()
+        if seconds is None:
+            continue
         result.add("first send", method, seconds[:1], warmup=0)
         steady = result.add("steady (sends 2..N)", method, seconds)
         if method != "torchshm_shared":  # O(1): a bandwidth would mislead
             gbps = nbytes / steady["median"] / 1e9
             result.extra("steady (sends 2..N)", f"GB/s {LABELS[method]}", gbps)
-        bar.update()
     tensors = result.get("steady (sends 2..N)", "torch_torchshm")
     arrays = result.get("steady (sends 2..N)", "torchshm")
     if tensors and arrays:
@@ -44,4 +54,6 @@ def run(quick, bar):
             "tensor via torchshm / torchshm",
             tensors["median"] / arrays["median"],
         )
+    peers.against_best(result)
+    peers.note_versions(result, methods)
     return result

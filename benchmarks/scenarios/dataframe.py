@@ -7,6 +7,7 @@ without them shows what the array transport alone gains.
 import numpy as np
 import pandas as pd
 
+from benchmarks import peers
 from benchmarks.report import Result
 from benchmarks.transports import METHODS, sender
 
@@ -40,11 +41,20 @@ def run(quick, bar):
             f" object string column). Median [min-max] of sends 2..{sends}.",
         ],
     )
-    bar.reset(total=len(METHODS))
-    for method in METHODS:
+    methods = METHODS + peers.methods()
+    bar.reset(total=len(methods))
+    for method in methods:
         for strings in (False, True):
             label = "mixed + strings" if strings else "numeric, datetime, category"
-            seconds = sender(method).measure(make_frame, (rows, strings), sends)
-            result.add(label, method, seconds)
+            seconds = peers.attempt(
+                result,
+                label,
+                method,
+                lambda: sender(method).measure(make_frame, (rows, strings), sends),
+            )
+            if seconds is not None:
+                result.add(label, method, seconds)
         bar.update()
+    peers.against_best(result)
+    peers.note_versions(result, methods)
     return result

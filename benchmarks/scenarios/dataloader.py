@@ -4,7 +4,9 @@ The collate function is what differs: `np.stack` (sent by pipe + pickle,
 shared_memory + pickle5 or torchshm), torch's default collate (stacks into
 torch shared memory inside the worker; with torchshm's tensor switch on, into
 a pooled torchshm segment) and `torchshm.collate` (stacks into one torchshm
-segment per batch, so the send is O(1)).
+segment per batch, so the send is O(1)). Beside them, Grain's own DataLoader
+over the same samples (its Batch stacks into a SharedMemoryArray in the
+worker; all epochs in one iterator, so that its workers start once too).
 """
 
 import time
@@ -13,6 +15,7 @@ import numpy as np
 import torch.utils.data
 
 import torchshm
+from benchmarks import peers
 from benchmarks.report import Result
 from benchmarks.transports import (
     OutOfBand,
@@ -63,10 +66,13 @@ GBPS_NAMES = {
     "torch": "default",
     "torch_torchshm": "default via torchshm",
     "torchshm_collate": "torchshm.collate",
+    "grain": "Grain",
 }
 
 
 def epoch_seconds(method, workers, dataset, batch, epochs):
+    if method == "grain":
+        return peers.grain_epochs(dataset, batch, workers, epochs)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=batch,
@@ -109,16 +115,24 @@ def run(quick, bar):
     if "torchshm_collate" not in COLLATES:
         result.notes.append("torchshm.collate is not available in this build.")
     dataset = Samples(length, shape)
-    bar.reset(total=len(COLLATES) * len(worker_counts))
+    methods = list(COLLATES) + list(peers.methods(("grain",)))
+    bar.reset(total=len(methods) * len(worker_counts))
     for workers in worker_counts:
         label = f"{workers} worker{'s' if workers > 1 else ''}"
-        for method in COLLATES:
-            seconds = epoch_seconds(method, workers, dataset, batch, epochs)
+        for method in methods:
+            seconds = peers.attempt(
+                result,
+                label,
+                method,
+                lambda: epoch_seconds(method, workers, dataset, batch, epochs),
+            )
+            bar.update()
+            if seconds is None:
+                continue
             row = result.add(label, method, seconds)
             if method in GBPS_NAMES:
                 gbps = epoch_bytes / row["median"] / 1e9
                 result.extra(label, f"GB/s {GBPS_NAMES[method]}", gbps)
-            bar.update()
         tensors = result.get(label, "torch_torchshm")
         collate = result.get(label, "torchshm_collate")
         if tensors and collate:
@@ -127,4 +141,6 @@ def run(quick, bar):
                 "default via torchshm / torchshm.collate",
                 tensors["median"] / collate["median"],
             )
+    peers.against_best(result, ours="torchshm_collate")
+    peers.note_versions(result, methods)
     return result

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+from benchmarks import peers
 from benchmarks.report import Result
 
 NAME = "docker_shm"
@@ -79,6 +80,8 @@ def run(quick, bar):
         "tensor_samples_tensors": 2,
         "pipe": 1,
     }
+    if peers.enabled():
+        repeats["grain"] = 2
     if quick:
         repeats = dict.fromkeys(repeats, 1)
     result = Result(
@@ -91,7 +94,8 @@ def run(quick, bar):
             " torchshm's segments are memfds, so /dev/shm bounds only torch's"
             " own tensors (the 'torch' and 'tensor_samples' rows, and the"
             " tensors of the mixed rows); '_tensors' rows have the tensor"
-            " switch on (TORCHSHM_TENSORS=1).",
+            " switch on (TORCHSHM_TENSORS=1); 'grain' is Grain's own DataLoader"
+            " (4 workers, Batch(8)), its batches SharedMemoryArrays in /dev/shm.",
         ],
     )
     why_not = cannot_run()
@@ -133,6 +137,7 @@ def run(quick, bar):
         result.extra(case, "batches (64 MiB)", r.get("batches", 0))
         if not r.get("completed"):
             result.notes.append(f"{case}: {r.get('error')}")
+    peers.note_versions(result, list(repeats))
     result.summary = {
         "ratio_64mib_vs_8gib": {
             m: result.extras.get(m, {}).get("64 MiB / 8 GiB") for m in repeats

@@ -7,6 +7,7 @@ pickle; `torchshm_always` and one torch tensor per array show what a segment
 
 import numpy as np
 
+from benchmarks import peers
 from benchmarks.report import Result
 from benchmarks.transports import METHODS, sender
 
@@ -20,7 +21,11 @@ def make_arrays(count, nbytes):
 def run(quick, bar):
     count, sends = (200, 4) if quick else (1000, 8)
     cases = [(count, 4 << 10), (count, 64 << 10)]
-    methods = METHODS + ("torchshm_always",)
+    methods = (
+        METHODS
+        + ("torchshm_always",)
+        + peers.methods(peers.SEND_METHODS + ("tensordict",))
+    )
     result = Result(
         NAME,
         "5. Many small arrays in one message (a list), child -> parent",
@@ -33,8 +38,15 @@ def run(quick, bar):
     for method in methods:
         for n, nbytes in cases:
             label = f"{n} x {nbytes >> 10} KiB"
-            result.add(
-                label, method, sender(method).measure(make_arrays, (n, nbytes), sends)
+            seconds = peers.attempt(
+                result,
+                label,
+                method,
+                lambda: sender(method).measure(make_arrays, (n, nbytes), sends),
             )
+            if seconds is not None:
+                result.add(label, method, seconds)
         bar.update()
+    peers.against_best(result)
+    peers.note_versions(result, methods)
     return result

@@ -19,8 +19,10 @@ Methods: a task argument through pickle, through torchshm (no `share()`), a
 creating that pool, since the model goes with the workers' start; its pool
 start is the same pool's without a model), `torchshm.share()` first (timed),
 joblib's `Parallel` (auto-memmapping, where joblib is installed),
-`multiprocessing.shared_memory` + pickle 5 by hand, and a torch tensor after
-`share_memory_()` (torch's default `file_descriptor` strategy).
+`multiprocessing.shared_memory` + pickle 5 by hand, a torch tensor after
+`share_memory_()` (torch's default `file_descriptor` strategy) and Ray
+(`ray.put` once, 4 tasks get it zero-copy from the node's object store; the
+PSS of every process of the driver's tree counts, Ray's store included).
 """
 
 import json
@@ -43,6 +45,7 @@ METHODS = (
     "joblib",
     "shm_pickle5",
     "torch",
+    "ray",
 )
 DRIVER_TIMEOUT = 600
 POLL = 0.002
@@ -133,9 +136,26 @@ def _executor(method, workers, initargs=None):
     )
 
 
+def _tree():
+    """The driver's descendants: Ray's workers, raylet (its object store)
+    and daemons."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
 def _start(method, workers):
     """A warm pool, its start time and its idle workers' PSS."""
     t0 = time.monotonic()
+    if method == "ray":
+        import ray
+
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        warm = ray.remote(_warm)
+        pids = ray.get([warm.remote(method, 0.5) for _ in range(workers)])
+        started = time.monotonic() - t0 - 0.5
+        assert len(set(pids)) == workers, "a Ray worker ran two warm-up tasks"
+        return ray, started, sum(_pss(p) for p in _tree())
     if method == "joblib":
         from joblib import Parallel, delayed
 
@@ -173,6 +193,12 @@ def drive(method, nbytes, workers):
         def done():
             results.extend(pool(delayed(_hold)(model, folder) for _ in range(workers)))
 
+    elif method == "ray":
+        ref = pool.put(model)
+        hold = pool.remote(_hold)
+        futures = [hold.remote(ref, folder) for _ in range(workers)]
+        done = lambda: results.extend(pool.get(futures))  # noqa: E731
+
     else:
         sent = model
         if method == "torchshm_shared":
@@ -189,7 +215,8 @@ def drive(method, nbytes, workers):
     waiter.start()
     pids = _wait_markers(folder, workers, time.monotonic() + DRIVER_TIMEOUT, waiter)
     wall = time.monotonic() - t0
-    after = _pss(os.getpid()) + sum(_pss(p) for p in pids)
+    measured = _tree() if method == "ray" else pids
+    after = _pss(os.getpid()) + sum(_pss(p) for p in measured)
     open(os.path.join(folder, "release"), "w").close()
     waiter.join(DRIVER_TIMEOUT)
     assert results == [expected] * workers, (results, expected)
@@ -230,13 +257,13 @@ def _shm_pickle5(model):
 
 
 def available(method):
-    if method != "joblib":
+    """Whether the method runs: the peers only when benchmarks/peers.py
+    says so (installed and not turned off)."""
+    from benchmarks import peers
+
+    if method not in peers.PACKAGES:
         return True
-    try:
-        import joblib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return peers.enabled()
 
 
 def measure(method, nbytes, workers):
@@ -257,6 +284,7 @@ def measure(method, nbytes, workers):
 
 
 def run(quick, bar):
+    from benchmarks import peers
     from benchmarks.report import Result
 
     nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 3)
@@ -268,14 +296,21 @@ def run(quick, bar):
     result = Result(NAME, title, notes=[__doc__.split("\n\n")[1].replace("\n", " ")])
     bar.reset(total=len(methods) * rounds)
     samples = {m: [] for m in methods}
+    case = f"{nbytes >> 20} MiB to {workers}"
     for _ in range(rounds):  # one run per method per round, interleaved
         for method in methods:
-            samples[method].append(measure(method, nbytes, workers))
+            if (case, method) not in result.failures:
+                run = peers.attempt(
+                    result, case, method, lambda: measure(method, nbytes, workers)
+                )
+                if run is not None:
+                    samples[method].append(run)
             bar.update()
-    case = f"{nbytes >> 20} MiB to {workers}"
     result.summary["copies"] = {}
     for method in methods:
         runs = samples[method]
+        if not runs:
+            continue
         result.add(case, method, [r["wall"] for r in runs], warmup=0)
         copies = statistics.median(r["copies"] for r in runs)
         start = statistics.median(r["start"] for r in runs)
@@ -283,6 +318,8 @@ def run(quick, bar):
         result.extra(case, f"{method}: pool start s", round(start, 2))
         result.summary["copies"][method] = copies
     result.summary["samples"] = samples
+    peers.against_best(result)
+    peers.note_versions(result, methods)
     return result
 
 
