@@ -9,6 +9,7 @@ from benchmarks.scenarios import (
     dataloader_start,
     docker_shm,
     era5,
+    lifetime,
     many_small,
     memory,
     metadata,
@@ -35,6 +36,7 @@ SCENARIOS = {
         docker_shm,
         string_frame,
         model_workers,
+        lifetime,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
