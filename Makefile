@@ -14,6 +14,7 @@ PY := $(VENV)/bin/python
 # .venv was Debian's Python with system site packages: it is made anew).
 MADE := $(VENV)/.pip-stack
 STACK := $(VENV)/.pip-stack-installed
+PEER_STACK := $(VENV)/.peers-installed
 BUILT := $(VENV)/.torchshm-built
 REQUIREMENTS := requirements/pip.txt requirements/constraints.txt
 # Compilers for the extension; util-linux for the unshare tests.
@@ -43,6 +44,12 @@ $(STACK): $(REQUIREMENTS) | $(MADE)
 		2>&1 | $(QUIET_PIP)
 	touch $@
 
+# The peers `make bench` compares (Ray, Grain, tensordict): only for bench.
+$(PEER_STACK): requirements/peers.txt requirements/constraints.txt | $(STACK)
+	$(PY) -m pip install -q -r requirements/peers.txt -c requirements/constraints.txt \
+		2>&1 | $(QUIET_PIP)
+	touch $@
+
 $(BUILT): $(SOURCES) $(STACK)
 	MAX_JOBS=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps \
 		--no-index -e . 2>&1 | $(QUIET_PIP)
@@ -61,8 +68,11 @@ test-debian12 test-debian13: test-debian%:
 	$(call apt_install,$(LANE_DEBS))
 	scripts/debian_lane.sh $*
 
-bench: build
-	$(PY) -m benchmarks $(BENCH_ARGS)
+# PEERS=0: no peers installed, and no peer columns (TORCHSHM_BENCH_PEERS).
+PEERS ?= 1
+
+bench: build $(if $(filter 0,$(PEERS)),,$(PEER_STACK))
+	TORCHSHM_BENCH_PEERS=$(PEERS) $(PY) -m benchmarks $(BENCH_ARGS)
 
 # The standing fault test (scripts/soak.py): senders, receivers and the
 # session keeper under random SIGKILL and SIGSTOP, for SOAK_MINUTES minutes;
@@ -77,9 +87,11 @@ soak: build
 lock: | deps
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/pip install -q -r requirements/pip.txt 2>&1 | $(QUIET_PIP)
-	top=$$(grep -Eo '^[A-Za-z0-9_.-]+' requirements/pip.txt | paste -sd'|'); \
-	{ echo "# What requirements/pip.txt pulls in, pinned: written by \`make lock\`."; \
+	.venv-lock/bin/pip install -q -r requirements/pip.txt -r requirements/peers.txt \
+		2>&1 | $(QUIET_PIP)
+	top=$$(cat requirements/pip.txt requirements/peers.txt \
+		| grep -Eo '^[A-Za-z0-9_.-]+' | paste -sd'|'); \
+	{ echo "# What requirements/pip.txt and peers.txt pull in, pinned: written by \`make lock\`."; \
 	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
 	} >requirements/constraints.txt
 	rm -rf .venv-lock
