@@ -27,6 +27,7 @@ enum Counter : int {
   kPrivateMappingsWalked,
   kStoragesMoved,
   kStoragesSent,
+  kPoolGaveWay,
   kCounterCount,
 };
 

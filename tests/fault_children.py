@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 import multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -628,6 +629,52 @@ def born_full():
     }
 
 
+# ------------------------------------------- born arrays at this process's cap
+
+CAP_NOFILE = 400  # a quarter, 100, for the segment fds this process keeps
+
+
+def born_at_the_cap():
+    """Born arrays of 100 KB until a real cap (the fds a creator may keep:
+    a quarter of a hard limit of 400) makes one fall back; all freed, they
+    sit idle in the pool. A 3 MiB array (a size class none of them fits)
+    must then be born shared at once, the pool giving way, and be sent by
+    reference (tests/test_allocator.py)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (CAP_NOFILE, CAP_NOFILE))
+    before = torchshm.stats()
+    held = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torchshm.allocating(min_bytes=64 << 10):
+            while (
+                torchshm.stats()["allocations_fallback"]
+                == before["allocations_fallback"]
+                and len(held) < 4 * CAP_NOFILE
+            ):
+                held.append(np.full(100_000 // 8, len(held), dtype=np.float64))
+    at_cap = sum(torchshm.is_shared(a) for a in held)
+    del held
+    gc.collect()
+    middle = torchshm.stats()
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        with torchshm.allocating(min_bytes=64 << 10):
+            big = np.full((3 << 20) // 8, 7.0)
+        sent = ForkingPickler.loads(ForkingPickler.dumps(big))
+    after = torchshm.stats()
+    yield {
+        "shared_at_cap": at_cap,
+        "fell_back": middle["allocations_fallback"] - before["allocations_fallback"],
+        "warned_at_cap": [str(w.message) for w in caught],
+        "big_shared": torchshm.is_shared(big),
+        "big_by_reference": after["arrays_resent"] - middle["arrays_resent"],
+        "big_copied": after["arrays_shared"] - middle["arrays_shared"],
+        "big_equal": bool((sent == 7.0).all()) and sent.shape == big.shape,
+        "gave_way": after["pool_gave_way"] - middle["pool_gave_way"],
+        "later_warnings": [str(w.message) for w in later],
+    }
+
+
 # ---------------------------------------------------------------- a killed keeper
 
 RESTART_MESSAGES = 120
@@ -699,6 +746,7 @@ def keeper_restart():
 
 SCENARIOS = {
     "born_full": born_full,
+    "born_at_the_cap": born_at_the_cap,
     "kill": kill_rounds,
     "unread": unread,
     "memory_limit": memory_limit,

@@ -180,10 +180,10 @@ def test_an_allocating_datapipe_turns_it_on_in_the_thread_that_iterates():
 def test_an_array_freed_after_its_block_goes_back_to_the_pool():
     with torchshm.allocating(min_bytes=MIN_BYTES):
         a = np.ones(N)
-    name, blocks = segment_of(a), _C.testing.born_blocks()
+    name, blocks = segment_of(a), _C.born_blocks()
     del a
     gc.collect()
-    assert _C.testing.born_blocks() == blocks - 1
+    assert _C.born_blocks() == blocks - 1
     with torchshm.allocating(min_bytes=MIN_BYTES):
         again = np.ones(N)
     assert segment_of(again) == name
@@ -288,6 +288,25 @@ def test_more_born_arrays_than_a_64_mib_dev_shm_holds_are_all_shared():
     }
     assert result["exitcode"] == 0 and result["equal"] == [True] * len(shared)
     assert result["warnings"] == []
+
+
+def test_after_freeing_at_the_cap_the_next_large_array_is_born_and_sent_shared():
+    # Issue 38: the pool gives way. Born arrays fill this process's cap on
+    # segment fds (a quarter of a real hard limit); freed, they are idle
+    # pooled segments of another size class. The next large array releases
+    # them and is born shared at once, not only after trim() or 30 s idle.
+    with isolated.Driver("born_at_the_cap") as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+    cap = fault_children.CAP_NOFILE // 4
+    assert cap // 2 < result["shared_at_cap"] <= cap, result
+    assert result["fell_back"] == 1, result
+    (warning,) = result["warned_at_cap"]
+    assert "segment fds" in warning and "NumPy allocates" in warning, warning
+    assert result["big_shared"] and result["gave_way"] == 1, result
+    assert result["big_by_reference"] == 1 and result["big_copied"] == 0, result
+    assert result["big_equal"] and result["later_warnings"] == [], result
 
 
 def test_an_allocation_no_memory_could_hold_is_numpys_memory_error():

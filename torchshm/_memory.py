@@ -162,6 +162,13 @@ _lock = threading.Lock()
 _seen = (0.0, None)  # (when, bound())
 
 
+def refresh():
+    """Makes the next check read the limits anew (memory was given back)."""
+    global _seen
+    with _lock:
+        _seen = (0.0, None)
+
+
 def check(nbytes):
     """Raises SharedMemoryError(ENOMEM) naming the limit if a new segment of
     `nbytes` would not leave MARGIN of what this process may still use.

@@ -41,6 +41,9 @@ COUNTERS = (
     # sent by reference (Note [Tensor storages] in csrc/tensors.h).
     "storages_moved",
     "storages_sent",
+    # A new segment met a cap (memory, fds, the session table) and the pool
+    # released its idle segments so that it fits (Note in segments.py).
+    "pool_gave_way",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(

@@ -41,11 +41,41 @@ def allocate(nbytes, populate=True):
 
 def allocate_block(nbytes, populate=True):
     """(allocate(nbytes, populate), whether the memory was used before: a
-    fresh segment's bytes are zero, a reused one's are not)."""
+    fresh segment's bytes are zero, a reused one's are not).
+
+    A pool that gives way: a new segment that meets a cap (the memory left,
+    this process's fds, the session table's indices) first has the pool
+    release its idle segments, the keeper close them, and tries again; only
+    then does the caller fall back. Idle segments of other sizes would
+    otherwise keep every new array out of shared memory until trim() or the
+    idle timer."""
     if not 0 <= nbytes <= MAX_SEGMENT_BYTES:
         raise _C.SharedMemoryError(
             errno.ENOMEM, f"torchshm: no segment can hold {nbytes} bytes"
         )
+    try:
+        return _allocate_block(nbytes, populate)
+    except _C.SharedMemoryError:
+        if not _give_way():
+            raise
+    _stats.add("pool_gave_way")
+    return _allocate_block(nbytes, populate)
+
+
+def _give_way():
+    """Releases every idle pooled segment and has the keeper close them (and
+    free their table indices) before it returns; whether any was idle."""
+    with _holdings.lock:
+        freed = _holdings.pool.release_idle()
+    if not freed:
+        return False
+    _C.prune_in_flight()
+    _session.close_released()
+    _memory.refresh()
+    return True
+
+
+def _allocate_block(nbytes, populate):
     pool = _holdings.pool
     with _holdings.lock:
         _expiry.timer.resume()
