@@ -146,6 +146,8 @@ PYBIND11_MODULE(_C, m) {
           "An int8 tensor over the data; its view owns `slot` (-1: none).");
   m.def("segments_with_fd", &torchshm::segments_with_fd);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
+  m.def("born_blocks", &torchshm::born_blocks,
+        "Born blocks alive in this process (Note [Born shared]).");
   m.def("prune_in_flight", &torchshm::prune_in_flight);
   m.def("set_sharing", &torchshm::set_sharing, py::arg("on"),
         "Sharing mode for this thread (share()): returns the previous one.");

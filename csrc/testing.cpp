@@ -15,7 +15,6 @@ void add_testing_module(py::module_& m) {
       "testing", "Native internals for torchshm's tests and benchmarks.");
   testing.def("lock_path", &torchshm::lock_path, py::arg("id"));
   testing.def("born_owner", &torchshm::born_owner, py::arg("address"));
-  testing.def("born_blocks", &torchshm::born_blocks);
   testing.def(
       "byte_extent",
       [](py::handle array) { return byte_extent(as_ndarray(array)); },

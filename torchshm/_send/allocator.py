@@ -9,6 +9,8 @@ whatever is current by then.
 """
 
 import contextlib
+import errno
+import time
 from typing import Iterator, Optional
 
 from torchshm import _config, _fallback, _stats
@@ -64,16 +66,48 @@ def _handler(min_bytes):
     return _C.make_born_handler(min_bytes, _C.current_numpy_handler())
 
 
+# At a cap on the number of segments (this process's fds, the session
+# table's indices: EMFILE) with no idle segment to give way
+# (segments.allocate_block), every further allocation would walk the pool and the session table again only to
+# fall back (tens of microseconds, growing with what is held). Until this
+# process frees a born block or a segment fd, or AT_CAP_SECONDS pass (a cap
+# another process's frees lift), allocations go straight to NumPy.
+AT_CAP_SECONDS = 1.0
+_at_cap = None  # (until, what was held): (monotonic seconds, _held())
+
+
+def _held():
+    return _C.born_blocks(), _C.open_creator_fds()
+
+
+def _still_at_cap():
+    global _at_cap
+    if _at_cap is None:
+        return False
+    until, held = _at_cap
+    now = _held()
+    if time.monotonic() < until and all(n >= h for n, h in zip(now, held)):
+        return True
+    _at_cap = None
+    return False
+
+
 def source(nbytes):
     """The born handler's hook (Note [Born shared] in csrc/allocator.h):
     (segment tensor, reused) for a block of nbytes,
     or None to let NumPy allocate it. Never raises: an exception here would
     surface in whatever NumPy call allocated."""
+    global _at_cap
     if nbytes > _segments.MAX_SEGMENT_BYTES:
         return None  # no memory holds it: NumPy's own MemoryError says so
+    if _still_at_cap():
+        _stats.add("allocations_fallback")
+        return None
     try:
         block = _segments.allocate_block(nbytes)
     except Exception as exc:  # noqa: BLE001 - see the docstring
+        if getattr(exc, "errno", None) == errno.EMFILE:  # a count, not a size
+            _at_cap = (time.monotonic() + AT_CAP_SECONDS, _held())
         _stats.add("allocations_fallback")
         _fallback.fall_back(
             exc,
