@@ -103,6 +103,7 @@ lint:
 	bash -n scripts/debian_lane.sh
 	bash -n scripts/apt_install.sh
 	bash -n scripts/torch_suites.sh
+	bash -n scripts/numpy_suite.sh
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:

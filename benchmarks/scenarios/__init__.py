@@ -4,6 +4,7 @@
 from benchmarks.scenarios import (
     big_array,
     born,
+    born_cost,
     dataframe,
     dataloader,
     dataloader_start,
@@ -37,6 +38,7 @@ SCENARIOS = {
         string_frame,
         model_workers,
         lifetime,
+        born_cost,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.

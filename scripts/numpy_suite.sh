@@ -1,0 +1,36 @@
+#!/bin/bash
+# NumPy's own test suite with torchshm's allocator on in every process
+# (issue 38), against the same suite without it:
+#
+#   scripts/numpy_suite.sh [MIN_BYTES] [PYTHON]     (defaults: 1, .venv/bin/python)
+#
+# Every interpreter the suite starts runs a sitecustomize that registers
+# torchshm and calls set_allocator(True, min_bytes=MIN_BYTES), so every
+# allocation of at least MIN_BYTES is born in shared memory. Prints pytest's
+# summary line and the wall time of each run. Not in CI: at MIN_BYTES 1 it
+# takes many times the suite's own few minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MIN_BYTES=${1:-1}
+PY=${2:-.venv/bin/python}
+MODULES=$("$PY" -c 'import numpy as np
+core = "numpy._core" if int(np.__version__.split(".")[0]) >= 2 else "numpy.core"
+print(core, "numpy.lib numpy.ma numpy.linalg numpy.fft numpy.random numpy.polynomial")')
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+cat >"$site/sitecustomize.py" <<PYEOF
+import os
+if os.environ.get("TORCHSHM_SUITE_MIN_BYTES"):
+    import torchshm
+    torchshm.set_allocator(True, min_bytes=int(os.environ["TORCHSHM_SUITE_MIN_BYTES"]))
+PYEOF
+suite() {
+    local start=$SECONDS
+    (cd "$site" && "$PY" -m pytest --pyargs $MODULES -m "not slow" -q \
+        -p no:cacheprovider -p no:xdist -p no:randomly 2>&1 | tail -1)
+    echo "  ($((SECONDS - start)) s)"
+}
+echo "== without torchshm"
+PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" suite
+echo "== allocator on in every process, min_bytes $MIN_BYTES"
+TORCHSHM_SUITE_MIN_BYTES=$MIN_BYTES PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" suite
