@@ -272,6 +272,8 @@ def write_plots(results, directory):
     os.makedirs(directory, exist_ok=True)
     paths = []
     for result in results:
+        if not result.rows:  # a table of words (scenario 15): nothing to plot
+            continue
         fig = plot(result)
         path = os.path.join(directory, f"{result.name}.png")
         fig.savefig(path, dpi=110)
