@@ -11,7 +11,8 @@ driver exits. What each left behind is counted twice: 5 s after the
 kill with the receiver holding (new names in /dev/shm and /tmp, and the
 growth of the machine's Shmem), and 2 s after the driver exited (what
 nobody will ever free, and the processes of the driver's session still
-running then: killed after they are counted).
+running then). Then those processes are killed and those names removed,
+so that the benchmark itself leaves nothing behind.
 """
 
 import json
@@ -344,6 +345,8 @@ def measure(method):
     after["tmp"] = [n for n in after["tmp"] if n != folder] + _inside(run["folder"])
     run["exited"] = after
     _clean(run["folder"])
+    for name in after["shm"]:  # what the peer left; the machine keeps nothing
+        _clean(os.path.join("/dev/shm", name))
     return run
 
 
@@ -367,10 +370,16 @@ def _kill_session(sid):
     return len(found)
 
 
-def _clean(folder):
+def _clean(path):
     import shutil
 
-    shutil.rmtree(folder, ignore_errors=True)
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _describe(found):
