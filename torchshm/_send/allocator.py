@@ -68,10 +68,11 @@ def _handler(min_bytes):
 
 # At a cap on the number of segments (this process's fds, the session
 # table's indices: EMFILE) with no idle segment to give way
-# (segments.allocate_block), every further allocation would walk the pool and the session table again only to
-# fall back (tens of microseconds, growing with what is held). Until this
-# process frees a born block or a segment fd, or AT_CAP_SECONDS pass (a cap
-# another process's frees lift), allocations go straight to NumPy.
+# (segments.allocate_block), every further allocation would walk the pool
+# and the session table again only to fall back (tens of microseconds,
+# growing with what is held). Until this process frees a born block or a
+# segment fd, or AT_CAP_SECONDS pass (a cap another process's frees lift),
+# allocations go straight to NumPy.
 AT_CAP_SECONDS = 1.0
 _at_cap = None  # (until, what was held): (monotonic seconds, _held())
 
