@@ -142,26 +142,34 @@ class Producer:
         return os.getpid()
 
 
-class RaySender:
-    """transports.Sender's interface over a Ray actor (`measure`, `close`)."""
-
-    def __init__(self):
-        ray = start_ray()
-        self.actor = ray.remote(num_cpus=0)(Producer).remote()
-        ray.get(self.actor.pid.remote(), timeout=TIMEOUT)
+class PeerSender:
+    """transports.Sender's `measure` over a peer's own round trip: `fetch`
+    returns (when the payload was ready, the payload) in this process."""
 
     def measure(self, make, args=(), count=1, holding=None):
-        import ray
-
         seconds = []
         for _ in range(count):
-            t0, obj = ray.get(self.actor.send.remote(make, args), timeout=TIMEOUT)
+            t0, obj = self.fetch(make, args)
             touch(obj)
             seconds.append(time.perf_counter() - t0)
             if holding is not None:
                 holding(obj)
             del obj
         return seconds
+
+
+class RaySender(PeerSender):
+    """A Ray actor as the persistent sender."""
+
+    def __init__(self):
+        ray = start_ray()
+        self.actor = ray.remote(num_cpus=0)(Producer).remote()
+        ray.get(self.actor.pid.remote(), timeout=TIMEOUT)
+
+    def fetch(self, make, args):
+        import ray
+
+        return ray.get(self.actor.send.remote(make, args), timeout=TIMEOUT)
 
     def close(self):
         import ray
@@ -179,9 +187,9 @@ def stamped(make, args):
     return time.perf_counter(), obj
 
 
-class JoblibSender:
-    """transports.Sender's interface over joblib's Parallel (loky workers,
-    reused between calls as joblib does by default)."""
+class JoblibSender(PeerSender):
+    """joblib's Parallel as the sender (loky workers, reused between calls
+    as joblib does by default)."""
 
     def __init__(self):
         from joblib import Parallel, delayed
@@ -189,16 +197,9 @@ class JoblibSender:
         self.parallel, self.delayed = Parallel(n_jobs=2), delayed
         self.parallel([delayed(os.getpid)() for _ in range(2)])  # workers up
 
-    def measure(self, make, args=(), count=1, holding=None):
-        seconds = []
-        for _ in range(count):
-            ((t0, obj),) = self.parallel([self.delayed(stamped)(make, args)])
-            touch(obj)
-            seconds.append(time.perf_counter() - t0)
-            if holding is not None:
-                holding(obj)
-            del obj
-        return seconds
+    def fetch(self, make, args):
+        ((t0, obj),) = self.parallel([self.delayed(stamped)(make, args)])
+        return t0, obj
 
     def close(self):
         pass  # loky's reusable workers exit on their own when idle
