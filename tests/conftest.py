@@ -156,20 +156,30 @@ def memfd_holders(session, indices):
     wanted = {f"{_doctor.SEGMENT_MAPPING[1:]}{session}:{i}": i for i in indices}
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        # Each fd on its own: one closed meanwhile (the keeper opens and
+        # closes fds all the time) must not hide the process's others.
         try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                name = target[1:].split(" ", 1)[0]  # "/memfd:<name> (deleted)"
-                if name in wanted:
-                    found.add((int(pid), wanted[name]))
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    name = fields[5][1:].split(" ", 1)[0] if len(fields) == 6 else ""
-                    if name in wanted:
-                        found.add((int(pid), wanted[name]))
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # gone meanwhile
             continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            name = target[1:].split(" ", 1)[0]  # "/memfd:<name> (deleted)"
+            if name in wanted:
+                found.add((int(pid), wanted[name]))
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            name = fields[5][1:].split(" ", 1)[0] if len(fields) == 6 else ""
+            if name in wanted:
+                found.add((int(pid), wanted[name]))
     return found
 
 
