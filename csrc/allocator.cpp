@@ -7,6 +7,8 @@
 #include "errors.h"
 #include "numpy_api.h"
 #include "python_compat.h"
+#include "slabs.h"
+#include "stats.h"
 
 namespace torchshm {
 namespace {
@@ -20,7 +22,8 @@ struct BornContext {
 };
 
 struct Block {
-  PyObject* owner;  // the segment's int8 tensor (strong reference)
+  PyObject* owner;  // the segment's int8 tensor (strong reference), or
+  Slab* slab;       // the slab a small block was carved from (slabs.h)
   size_t size;      // bytes NumPy asked for
   size_t capacity;  // bytes usable from the block's address
 };
@@ -45,10 +48,9 @@ class PythonGuard {
   PyObject* pending_;
 };
 
-// A born block of `size` bytes, or nullptr when the source declines. Call
-// with a PythonGuard held.
-void* take_block(size_t size, bool zeroed) {
-  if (!configured() || in_source) return nullptr;
+// The source's segment tensor for `size` bytes and whether it was used
+// before; (None, false) when it declines. Call with a PythonGuard held.
+std::pair<py::object, bool> ask_source(size_t size) {
   PyObject* source = config().hooks.born_source;
   py::int_ wanted(size);
   in_source = true;
@@ -58,10 +60,10 @@ void* take_block(size_t size, bool zeroed) {
     // The source catches its own failures; reaching here is a bug, and
     // NumPy's allocation still succeeds through the fallback.
     PyErr_WriteUnraisable(source);
-    return nullptr;
+    return {py::none(), false};
   }
   py::object reply = py::reinterpret_steal<py::object>(result);
-  if (reply.is_none()) return nullptr;
+  if (reply.is_none()) return {py::none(), false};
   auto [owner, reused] = reply.cast<std::pair<py::object, bool>>();
   at::Tensor tensor = owner.cast<at::Tensor>();
   TORCH_CHECK(tensor.is_contiguous() && tensor.scalar_type() == at::kChar &&
@@ -69,12 +71,47 @@ void* take_block(size_t size, bool zeroed) {
               "torchshm: the born-memory source returned a tensor that cannot "
               "hold ",
               size, " bytes");
+  return {std::move(owner), reused};
+}
+
+// A small block carved from a slab (Note [Small blocks]), or nullptr.
+void* take_small_block(size_t size, bool zeroed) {
+  Slabs& all = slabs();
+  Slabs::Block block = all.carve(size);
+  if (block.data == nullptr) {
+    if (!all.may_open()) {
+      count(kAllocationsFallback);
+      return nullptr;
+    }
+    auto [owner, reused] = ask_source(Slabs::kSlabBytes);
+    if (owner.is_none()) {
+      all.declined();
+      return nullptr;
+    }
+    all.open(std::move(owner), reused);
+    block = all.carve(size);
+  }
+  if (zeroed && block.dirty) std::memset(block.data, 0, size);
+  blocks[reinterpret_cast<uintptr_t>(block.data)] = {nullptr, block.slab, size,
+                                                     block.capacity};
+  return block.data;
+}
+
+// A born block of `size` bytes, or nullptr when the source declines. Call
+// with a PythonGuard held.
+void* take_block(size_t size, bool zeroed) {
+  if (!configured() || in_source) return nullptr;
+  if (size <= Slabs::kMaxBlock) return take_small_block(size, zeroed);
+  auto [owner, reused] = ask_source(size);
+  if (owner.is_none()) return nullptr;
+  at::Tensor tensor = owner.cast<at::Tensor>();
   void* data = tensor.data_ptr();
   // A fresh memfd reads as zero however it was populated; a reused segment
   // holds its last message.
   if (zeroed && reused) std::memset(data, 0, size);
   blocks[reinterpret_cast<uintptr_t>(data)] = {
-      owner.release().ptr(), size, static_cast<size_t>(tensor.numel())};
+      owner.release().ptr(), nullptr, size,
+      static_cast<size_t>(tensor.numel())};
   return data;
 }
 
@@ -82,7 +119,10 @@ void* allocate(BornContext* ctx, size_t size, bool zeroed) {
   if (size > 0 && size >= static_cast<size_t>(ctx->min_bytes)) {
     PythonGuard guard;
     try {
-      if (void* data = take_block(size, zeroed)) return data;
+      if (void* data = take_block(size, zeroed)) {
+        count(kAllocationsShared);
+        return data;
+      }
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
       PyErr_WriteUnraisable(config().hooks.born_source);
@@ -93,14 +133,21 @@ void* allocate(BornContext* ctx, size_t size, bool zeroed) {
                 : fallback.malloc(fallback.ctx, size);
 }
 
+PyObject* owner_of(const Block& block) {
+  return block.slab != nullptr ? Slabs::owner(block.slab) : block.owner;
+}
+
 // Drops a born block's owner; false if `data` is not a born block.
 bool release_block(void* data) {
   PythonGuard guard;
   auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
   if (it == blocks.end()) return false;
-  PyObject* owner = it->second.owner;
+  const Block block = it->second;
   blocks.erase(it);
-  Py_DECREF(owner);
+  if (block.slab != nullptr)
+    slabs().release(block.slab, block.capacity);
+  else
+    Py_DECREF(block.owner);
   return true;
 }
 
@@ -215,13 +262,13 @@ py::object swap_numpy_handler(py::handle handler) {
 py::object born_owner(int64_t address) {
   auto it = blocks.find(static_cast<uintptr_t>(address));
   if (it == blocks.end()) return py::none();
-  return py::reinterpret_borrow<py::object>(it->second.owner);
+  return py::reinterpret_borrow<py::object>(owner_of(it->second));
 }
 
 at::Tensor born_tensor(const void* data) {
   auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
   if (it == blocks.end()) return at::Tensor();
-  return py::handle(it->second.owner).cast<at::Tensor>();
+  return py::handle(owner_of(it->second)).cast<at::Tensor>();
 }
 
 int64_t born_blocks() { return static_cast<int64_t>(blocks.size()); }

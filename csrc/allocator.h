@@ -9,9 +9,11 @@
 // the registry below maps the data address to that tensor, and `free` drops it.
 // So the segment's memory outlives the array exactly as long as some receiver
 // holds its slot (Note [Segment lifetime]), and the pool reuses it only after
-// that. Anything smaller, anything the source declines (memory full: it
-// returns None) and any allocation made while the source runs goes to the
-// fallback.
+// that. Up to Slabs::kMaxBlock bytes, a block is carved from a slab instead,
+// in C++, and the slab's tensor is its owner (Note [Small blocks] in
+// slabs.h). Anything below the floor, anything the source declines (memory
+// full: it returns None) and any allocation made while the source runs goes to
+// the fallback.
 //
 // NumPy calls a handler with the GIL held; every entry point still takes it
 // (PyGILState_Ensure is cheap when held) because the registry and the Python

@@ -26,6 +26,7 @@
 #include "pool.h"
 #include "rebuild.h"
 #include "segment.h"
+#include "slabs.h"
 #include "snapshots.h"
 #include "stats.h"
 #include "table.h"
@@ -149,6 +150,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("born_blocks", &torchshm::born_blocks,
         "Born blocks alive in this process (Note [Born shared]).");
   m.def("prune_in_flight", &torchshm::prune_in_flight);
+  // Note [Small blocks]: the sizes, for the tests and the benchmarks.
+  m.attr("SLAB_BYTES") = py::int_(torchshm::Slabs::kSlabBytes);
+  m.attr("SMALL_BLOCK_MAX") = py::int_(torchshm::Slabs::kMaxBlock);
+  m.attr("RETIRED_SLABS_FLOOR") = py::int_(torchshm::Slabs::kRetiredFloor);
+  m.def(
+      "slab_empty_since", [] { return torchshm::slabs().empty_since(); },
+      "When the current slab went empty, or inf (Note [Small blocks]).");
+  m.def(
+      "release_empty_slab",
+      [](double older_than) {
+        return torchshm::slabs().let_go_if_empty(older_than);
+      },
+      py::arg("older_than"),
+      "Lets go of the current slab if empty that long; the bytes.");
   m.def("set_sharing", &torchshm::set_sharing, py::arg("on"),
         "Sharing mode for this thread (share()): returns the previous one.");
   m.def("forget_snapshots", [] { torchshm::snapshots().clear(); });

@@ -237,8 +237,9 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // false if it was claimed or cancelled meanwhile.
   bool mark_written(uint64_t ticket);
   // For the creator's pool: true if nothing but `own_slot` holds the segment,
-  // no local view is alive and it is not pinned; then bumps the generation.
-  bool reserve_for_reuse(int own_slot);
+  // no local view but the caller's `own_views` is alive and it is not
+  // pinned; then bumps the generation.
+  bool reserve_for_reuse(int own_slot, int64_t own_views = 0);
   // Whether a slot holds a ticket the keeper has not found dead: a message
   // naming the segment that may still be read.
   bool has_ticket_in_flight() const;

@@ -58,10 +58,7 @@ View::~View() {
     std::lock_guard<std::mutex> guard(in_flight_mutex);
     in_flight.push_back(segment);
   }
-  const int fd = quiet_fd.exchange(-1);
-  if (fd >= 0 && ::write(fd, "q", 1) < 0) {
-    // A full pipe already wakes the timer.
-  }
+  wake_quiet_timer();
 }
 
 void View::disown() {
@@ -179,6 +176,13 @@ py::object message_owner(py::handle owner, int threads) {
 }
 
 void wake_when_quiet(int fd) { quiet_fd.store(fd); }
+
+void wake_quiet_timer() {
+  const int fd = quiet_fd.exchange(-1);
+  if (fd >= 0 && ::write(fd, "q", 1) < 0) {
+    // A full pipe already wakes the timer.
+  }
+}
 
 int64_t prune_in_flight() {
   std::vector<std::shared_ptr<Segment>> done;  // destroyed outside the lock

@@ -64,3 +64,39 @@ def write_inherited(inbox, outbox, array):
     array[:5] = 42.0
     outbox.put("written")
     assert inbox.get(timeout=TIMEOUT) == "exit"
+
+
+def small_born_sender(inbox, outbox, n):
+    """Sends a small born array by reference (threshold 0), then writes to
+    it: the receiver sees the write (a block is shared memory)."""
+    torchshm.set_threshold(0)
+    torchshm.set_allocator(True, min_bytes=1)
+    before = torchshm.stats()
+    a = np.arange(n, dtype=np.float64)
+    outbox.put(a)
+    assert inbox.get(timeout=TIMEOUT) == "write"
+    a[:10] = -1.0
+    outbox.put("written")
+    assert inbox.get(timeout=TIMEOUT) == "stats"
+    after = torchshm.stats()
+    outbox.put({k: after[k] - before[k] for k in after if k != "fallbacks"})
+
+
+def echo(inbox, outbox):
+    """Sends back what it receives, lets go of it, and says so."""
+    torchshm.set_threshold(0)
+    got = inbox.get(timeout=TIMEOUT)
+    outbox.put(got)
+    del got
+    assert inbox.get(timeout=TIMEOUT) == "dropped?"
+    outbox.put("dropped")
+
+
+def carve_after_fork(inbox, outbox, n, count):
+    """A forked child makes small born arrays while its parent does the
+    same: neither may carve the other's bytes."""
+    with torchshm.allocating(min_bytes=1):
+        made = [np.full(n, 3.0) for _ in range(count)]
+    outbox.put("made")
+    assert inbox.get(timeout=TIMEOUT) == "check"
+    outbox.put(all((a == 3.0).all() for a in made))

@@ -6,9 +6,11 @@ NumPy's allocator: kept alive (all held until the end: nothing can be
 reused) and churned (each freed before the next: the pool reuses). Then
 100,000 live 1 KiB arrays under a hard fd limit of 20,000 (a creator keeps
 an fd per live segment, up to a quarter of it): how many are born shared,
-how many fall back, and the memory they add beside NumPy's own (RSS plus the
-machine's Shmem growth); and what an allocation costs once that cap is
-reached (it falls back to NumPy). Every (mode, case) runs in a fresh interpreter
+how many fall back, and the memory they add beside NumPy's own (private RSS
+plus the machine's Shmem growth); what an allocation costs once that cap is
+reached (it falls back to NumPy); and the memory that slabs kept by a few
+live blocks hold (one 1 KiB array in 64 kept: bounded, Note [Small blocks]
+in csrc/slabs.h). Every (mode, case) runs in a fresh interpreter
 (this file), so no pool carries over; medians of 3.
 """
 
@@ -27,6 +29,8 @@ SIZES = (8, 64, KIB, 8 * KIB, 64 * KIB, MIB, 16 * MIB)
 QUICK_SIZES = (8, KIB, 64 * KIB, MIB)
 MODES = ("numpy", "torchshm")
 MANY, MANY_BYTES, MANY_NOFILE = 100_000, KIB, 20_000
+# Half-freed slabs: SPARSE arrays of MANY_BYTES, one in SPARSE_KEPT kept.
+SPARSE, SPARSE_KEPT = 200_000, 64
 DRIVER_TIMEOUT = 600
 
 
@@ -42,9 +46,14 @@ def _shmem():
     return 0
 
 
-def _rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _anon():
+    """This process's private memory: its RSS counts the shared pages it maps
+    too, which Shmem counts already."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def drive(mode, nbytes, count, kind):
@@ -64,20 +73,26 @@ def drive(mode, nbytes, count, kind):
         if kind == "at_cap":  # born arrays until one falls back, untimed
             while torchshm.stats()["allocations_fallback"] == 0:
                 held.append(np.full(nbytes, 1, np.uint8))
-    rss, shmem = _rss(), _shmem()
+    anon, shmem = _anon(), _shmem()
     t0 = time.perf_counter()
     if kind == "churned":
         for _ in range(count):
             np.full(nbytes, 1, np.uint8)  # freed at once
+    elif kind == "sparse":
+        for i in range(count):
+            a = np.full(nbytes, 1, np.uint8)
+            if i % SPARSE_KEPT == 0:
+                held.append(a)
     else:
         for _ in range(count):
             held.append(np.full(nbytes, 1, np.uint8))
     seconds = (time.perf_counter() - t0) / count
     out = {"seconds": seconds}
-    if kind == "many":
-        out["memory"] = (_rss() - rss) + (_shmem() - shmem)
+    if kind in ("many", "sparse"):
+        out["memory"] = (_anon() - anon) + (_shmem() - shmem)
         if mode == "torchshm":
             out["shared"] = sum(torchshm.is_shared(a) for a in held)
+            out["fell_back"] = torchshm.stats()["allocations_fallback"]
     return out
 
 
@@ -112,7 +127,7 @@ def run(quick, bar):
         notes=[" ".join(__doc__.split("\n\n")[1].split())],
     )
     label = {"numpy": "NumPy's allocator", "torchshm": "torchshm, allocator on"}
-    bar.reset(total=len(sizes) * 2 * len(MODES) * rounds + 2 + 2 * rounds)
+    bar.reset(total=len(sizes) * 2 * len(MODES) * rounds + 4 + 2 * rounds)
     for nbytes in sizes:
         for kind in ("kept", "churned"):
             case = f"{fmt(nbytes, 'B').replace('.00', '')} {kind}"
@@ -143,6 +158,15 @@ def run(quick, bar):
         if mode == "torchshm":
             result.extra(case, "born shared", run_["shared"])
             result.extra(case, "fell back", many - run_["shared"])
+    sparse = SPARSE // 10 if quick else SPARSE
+    case = f"{sparse:,} x {MANY_BYTES} B, 1 in {SPARSE_KEPT} kept"
+    for mode in MODES:
+        run_ = measure(mode, MANY_BYTES, sparse, "sparse")
+        bar.update()
+        result.add(case, label[mode], [run_["seconds"]], 0)
+        result.extra(case, f"memory added ({mode})", fmt(run_["memory"], "B"))
+        if mode == "torchshm":
+            result.extra(case, "allocations fell back", run_["fell_back"])
     return result
 
 

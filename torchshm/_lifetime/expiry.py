@@ -118,7 +118,10 @@ class _Expiry:
         it."""
         _C.wake_when_quiet(_quiet_pipe[1])
         with _holdings.lock:
-            oldest = _holdings.pool.native.oldest_quiet_use()
+            # An empty slab is let go like an idle pooled segment.
+            oldest = min(
+                _holdings.pool.native.oldest_quiet_use(), _C.slab_empty_since()
+            )
             mappings = _mappings.cached()
         period = max(0.05, min(EXPIRY_PERIOD_MAX, idle / 4))
         wait = None if mappings is False else period
@@ -146,6 +149,7 @@ class _Expiry:
                 return
             _C.prune_in_flight()
             with _holdings.lock:
+                _C.release_empty_slab(idle)
                 _holdings.pool.release_idle(older_than=idle)
                 _mappings.drop(_config.mapping_cache_bytes())
                 if not self.needed():

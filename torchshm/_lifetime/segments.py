@@ -66,7 +66,7 @@ def _give_way():
     """Releases every idle pooled segment and has the keeper close them (and
     free their table indices) before it returns; whether any was idle."""
     with _holdings.lock:
-        freed = _holdings.pool.release_idle()
+        freed = _C.release_empty_slab(0.0) + _holdings.pool.release_idle()
     if not freed:
         return False
     _C.prune_in_flight()
@@ -104,6 +104,7 @@ def trim() -> int:
 
     Returns the bytes of shared memory the pool gave back."""
     with _holdings.lock:
+        _C.release_empty_slab(0.0)  # back to the pool, released below
         freed = _holdings.pool.release_idle()
         _mappings.drop(0)
         _holdings.live.prune()

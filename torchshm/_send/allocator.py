@@ -95,9 +95,10 @@ def _still_at_cap():
 
 def source(nbytes):
     """The born handler's hook (Note [Born shared] in csrc/allocator.h):
-    (segment tensor, reused) for a block of nbytes,
-    or None to let NumPy allocate it. Never raises: an exception here would
-    surface in whatever NumPy call allocated."""
+    (segment tensor, reused) for a block of nbytes (a slab for small blocks:
+    Note [Small blocks] in csrc/slabs.h), or None to let NumPy allocate it.
+    Never raises: an exception here would surface in whatever NumPy call
+    allocated."""
     global _at_cap
     if nbytes > _segments.MAX_SEGMENT_BYTES:
         return None  # no memory holds it: NumPy's own MemoryError says so
@@ -116,5 +117,4 @@ def source(nbytes):
             "NumPy allocates in its own memory instead",
         )
         return None
-    _stats.add("allocations_shared")
-    return block
+    return block  # counted as allocations_shared by the handler
