@@ -31,6 +31,8 @@ bool idle(Segment& segment) {
 
 }  // namespace
 
+std::atomic<uint64_t> SegmentPool::quiet_events_{0};
+
 int64_t SegmentPool::size_class(int64_t nbytes) const {
   if (nbytes <= classes_.min_class) return classes_.min_class;
   const int bits = 64 - __builtin_clzll(static_cast<uint64_t>(nbytes - 1));
@@ -45,13 +47,20 @@ at::Tensor SegmentPool::take(int64_t nbytes, bool thorough) {
   for (auto it = by_class_.lower_bound(wanted);
        it != by_class_.end() && static_cast<double>(it->first) <= largest;
        ++it) {
-    for (Entry& entry : it->second) {
+    Class& cls = it->second;
+    const uint64_t events = quiet_events_.load();
+    if (!thorough && cls.all_busy_at == events) continue;
+    bool all_busy = true;
+    for (Entry& entry : cls.entries) {
       Segment& segment = *entry.segment;
+      all_busy = all_busy && segment.local_views() > 0;
       if ((thorough || quiet(segment)) && segment.reserve_for_reuse(0)) {
         entry.last_use = monotonic_seconds();
+        cls.all_busy_at = ~uint64_t{0};
         return view_tensor(entry.segment, -1, self_id());
       }
     }
+    cls.all_busy_at = all_busy ? events : ~uint64_t{0};
   }
   return at::Tensor();
 }
@@ -61,13 +70,15 @@ at::Tensor SegmentPool::admit(std::shared_ptr<Segment> segment) {
               " is pooled already");
   nbytes_ += segment->capacity();
   segment->pooled.store(true);
-  by_class_[segment->capacity()].push_back(Entry{segment, monotonic_seconds()});
+  // Its view is made below: the class's memo (every entry busy) holds.
+  by_class_[segment->capacity()].entries.push_back(
+      Entry{segment, monotonic_seconds()});
   return view_tensor(std::move(segment), -1, self_id());
 }
 
 std::shared_ptr<Segment> SegmentPool::get(const std::string& name) const {
-  for (const auto& [capacity, entries] : by_class_)
-    for (const Entry& entry : entries)
+  for (const auto& [capacity, cls] : by_class_)
+    for (const Entry& entry : cls.entries)
       if (entry.segment->name() == name) return entry.segment;
   return nullptr;
 }
@@ -85,7 +96,7 @@ int64_t SegmentPool::release_idle(double older_than) {
   const double now = monotonic_seconds();
   int64_t freed = 0;
   for (auto it = by_class_.begin(); it != by_class_.end();) {
-    auto& entries = it->second;
+    auto& entries = it->second.entries;
     for (size_t i = 0; i < entries.size();) {
       if (now - entries[i].last_use >= older_than && idle(*entries[i].segment))
         freed += drop(entries, i);
@@ -98,23 +109,23 @@ int64_t SegmentPool::release_idle(double older_than) {
 }
 
 void SegmentPool::release_all() {
-  for (auto& [capacity, entries] : by_class_)
-    while (!entries.empty()) drop(entries, entries.size() - 1);
+  for (auto& [capacity, cls] : by_class_)
+    while (!cls.entries.empty()) drop(cls.entries, cls.entries.size() - 1);
   by_class_.clear();
 }
 
 double SegmentPool::oldest_quiet_use() const {
   double oldest = std::numeric_limits<double>::infinity();
-  for (const auto& [capacity, entries] : by_class_)
-    for (const Entry& entry : entries)
+  for (const auto& [capacity, cls] : by_class_)
+    for (const Entry& entry : cls.entries)
       if (entry.segment->local_views() == 0)
         oldest = std::min(oldest, entry.last_use);
   return oldest;
 }
 
 void SegmentPool::forget() {
-  for (auto& [capacity, entries] : by_class_)
-    for (Entry& entry : entries) entry.segment->pooled.store(false);
+  for (auto& [capacity, cls] : by_class_)
+    for (Entry& entry : cls.entries) entry.segment->pooled.store(false);
   by_class_.clear();
   nbytes_ = 0;
   fast_until = 0;
@@ -122,14 +133,14 @@ void SegmentPool::forget() {
 
 size_t SegmentPool::size() const {
   size_t n = 0;
-  for (const auto& [capacity, entries] : by_class_) n += entries.size();
+  for (const auto& [capacity, cls] : by_class_) n += cls.entries.size();
   return n;
 }
 
 std::vector<std::string> SegmentPool::names() const {
   std::vector<std::string> out;
-  for (const auto& [capacity, entries] : by_class_)
-    for (const Entry& entry : entries) out.push_back(entry.segment->name());
+  for (const auto& [capacity, cls] : by_class_)
+    for (const Entry& entry : cls.entries) out.push_back(entry.segment->name());
   return out;
 }
 

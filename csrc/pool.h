@@ -13,6 +13,11 @@
 //   pool's: no system call), unless asked to be thorough: then it also asks
 //   whether the holders of busy ones still live (clearing dead ones' slots),
 //   which the policy does about once a second.
+// - A size class whose every segment had a local view when `take` last
+//   looked is not looked at again until a pooled segment's last local view
+//   dies (a counter the views bump): only that can make one of them quiet.
+//   So arrays kept alive, however many, cost a take O(classes), not
+//   O(segments).
 // - The sender's plan (Note [Sender plan]) takes a chunk from here without
 //   entering Python while `fast_until` is in the future; Python sets it, and
 //   resets it to 0 whenever its own bookkeeping must run first (a thorough
@@ -22,6 +27,7 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -76,6 +82,9 @@ class SegmentPool {
   // bookkeeping (see the Note).
   double fast_until = 0;
 
+  // A pooled segment's last local view died (views.cpp; any thread).
+  static void last_view_died() { quiet_events_.fetch_add(1); }
+
  private:
   struct Entry {
     std::shared_ptr<Segment> segment;
@@ -83,8 +92,16 @@ class SegmentPool {
   };
   int64_t drop(std::vector<Entry>& entries, size_t index);
 
+  struct Class {
+    std::vector<Entry> entries;
+    // quiet_events_ when a take last found every entry with a local view;
+    // ~0 when it did not (see the Note).
+    uint64_t all_busy_at = ~uint64_t{0};
+  };
+  static std::atomic<uint64_t> quiet_events_;
+
   PoolClasses classes_;
-  std::map<int64_t, std::vector<Entry>> by_class_;  // capacity -> entries
+  std::map<int64_t, Class> by_class_;  // capacity -> entries
   int64_t nbytes_ = 0;
 };
 

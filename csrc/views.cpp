@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "identity.h"
+#include "pool.h"
 
 namespace torchshm {
 
@@ -50,7 +51,9 @@ View::~View() {
   }
   disown();
   if (segment->views_.fetch_sub(1) != 1) return;
-  if (!segment->pooled.load()) {
+  if (segment->pooled.load()) {
+    SegmentPool::last_view_died();
+  } else {
     // A creator's last view: its messages in flight keep it (and its fd).
     if (segment->fd() < 0 || segment->unlinked() ||
         !segment->has_ticket_in_flight())

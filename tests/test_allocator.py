@@ -189,6 +189,20 @@ def test_an_array_freed_after_its_block_goes_back_to_the_pool():
     assert segment_of(again) == name
 
 
+def test_a_class_found_all_busy_is_looked_at_again_once_a_view_dies():
+    # A take that finds every segment of a size class with a live view skips
+    # that class until one dies (Note [Segment pool]): then it reuses it.
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        kept = [np.ones(N) for _ in range(4)]  # the last takes found all busy
+        freed = segment_of(kept[1])
+        del kept[1]
+        gc.collect()
+        before = torchshm.stats()
+        again = np.ones(N)
+    assert segment_of(again) == freed
+    assert stats_delta(before)["segments_reused"] == 1
+
+
 def test_a_born_array_crosses_processes_without_a_copy(ctx, child):
     c = child(ctx, allocator_children.born_sender, N)
     got = c.receive()
