@@ -10,8 +10,8 @@
 # set_allocator(True, min_bytes=MIN_BYTES), so every allocation of at least
 # MIN_BYTES is born in shared memory. Prints pytest's summary line and the
 # wall time of each run, and whether the same tests failed in both (exit 1
-# if not). Not in CI: at MIN_BYTES 1 it
-# takes many times the suite's own few minutes.
+# if not). Not in CI: two runs of a few minutes each (at MIN_BYTES 1 the
+# second took 1.05x the first's time, NumPy 2.4, 2-core reference machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIN_BYTES=${1:-1}
