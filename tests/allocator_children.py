@@ -100,3 +100,14 @@ def carve_after_fork(inbox, outbox, n, count):
     outbox.put("made")
     assert inbox.get(timeout=TIMEOUT) == "check"
     outbox.put(all((a == 3.0).all() for a in made))
+
+
+def small_born_send_then(outbox, n, then):
+    """Sends a small born array, then exits ("exit") or waits to be killed."""
+    import time
+
+    torchshm.set_threshold(0)
+    torchshm.set_allocator(True, min_bytes=1)
+    outbox.put(np.arange(n, dtype=np.float64))
+    if then == "wait":
+        time.sleep(TIMEOUT)

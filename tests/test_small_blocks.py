@@ -4,13 +4,15 @@ no byte handed out twice while anything may still read it."""
 
 import gc
 import multiprocessing as mp
+import os
+import signal
 
 import numpy as np
 import pytest
 
 import torchshm
 from tests import allocator_children
-from tests.conftest import stats_delta
+from tests.conftest import TIMEOUT, stats_delta
 from tests.test_allocator import roundtrip, segment_of
 from torchshm import _C
 
@@ -170,3 +172,49 @@ def test_slabs_kept_by_a_few_blocks_are_bounded_then_fall_back():
     with torchshm.allocating(min_bytes=1):
         again = np.empty(1024, np.uint8)
     assert torchshm.is_shared(again), "slabs let go: small blocks are shared again"
+
+
+@pytest.mark.parametrize("then", ["exit", "wait"])
+def test_a_small_block_outlives_a_sender_that_exits_or_is_killed(ctx, then):
+    outbox = ctx.Queue()
+    p = ctx.Process(
+        target=allocator_children.small_born_send_then, args=(outbox, SMALL, then)
+    )
+    p.start()
+    try:
+        got = outbox.get(timeout=TIMEOUT)
+        if then == "wait":
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(TIMEOUT)
+        assert p.exitcode == (0 if then == "exit" else -signal.SIGKILL)
+        assert torchshm.is_shared(got) and np.array_equal(got, np.arange(SMALL))
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(TIMEOUT)
+        outbox.close()
+
+
+def test_a_block_sent_to_many_is_never_carved_while_one_holds_it(child):
+    torchshm.set_threshold(0)
+    ctx = mp.get_context("forkserver")
+    holders = [child(ctx, allocator_children.holder) for _ in range(3)]
+    with torchshm.allocating(min_bytes=1):
+        a = np.full(SMALL, 1.0)
+        for c in holders:
+            c.send(a)
+        assert [c.receive() for c in holders] == [1.0] * 3
+        del a
+        gc.collect()
+        for c in holders[:2]:  # one still holds it
+            c.send("check")
+            assert c.receive() == (1.0, 1.0)
+            c.send("drop")
+            assert c.receive() == "dropped"
+        others = [np.full(SMALL, 2.0) for _ in range(2 * PER_SLAB)]
+        holders[2].send("check")
+        assert holders[2].receive() == (1.0, 1.0)
+        holders[2].send("drop")
+        assert holders[2].receive() == "dropped"
+    assert all((o == 2.0).all() for o in others)
+    assert all(c.close() == 0 for c in holders)
