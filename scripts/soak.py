@@ -237,6 +237,9 @@ def sender(cfg, s, channel, shared):
 
         torch.set_num_threads(1)  # a forked sender: no OpenMP pool
         torchshm.register(tensors=True)
+    if cfg["born"]:
+        torchshm.set_threshold(0)
+        torchshm.set_allocator(True, min_bytes=1)
 
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
@@ -806,6 +809,9 @@ def round_config(rng, index, send_seconds, hang_seconds):
             "keeper_stop": rng.randint(0, 2),
             "receiver_kill": int(n_recv > 1 and rng.random() < 0.3),
         },
+        # Senders make their arrays with the allocator on (min_bytes 1,
+        # threshold 0): small ones are slab blocks, sent by reference.
+        "born": rng.random() < 0.5,
     }
 
 
@@ -818,6 +824,8 @@ def describe(cfg):
     pool = "off" if cfg["pool_bytes"] == "0" else "on"
     idle = f" idle {cfg['pool_idle']} s" if cfg["pool_idle"] else ""
     what = "tensors" if cfg["tensors"] else "arrays"
+    if cfg["born"]:
+        what += " born shared"
     return (
         f"{cfg['method']}, {what}, pool {pool}{idle}, nofile {nofile}, "
         f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "
