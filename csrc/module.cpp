@@ -158,6 +158,9 @@ PYBIND11_MODULE(_C, m) {
       "slab_empty_since", [] { return torchshm::slabs().empty_since(); },
       "When the current slab went empty, or inf (Note [Small blocks]).");
   m.def(
+      "has_current_slab", [] { return torchshm::slabs().has_current(); },
+      "Whether small blocks are being carved from a slab.");
+  m.def(
       "release_empty_slab",
       [](double older_than) {
         return torchshm::slabs().let_go_if_empty(older_than);

@@ -90,8 +90,9 @@ void Slabs::release(Slab* slab, size_t capacity) {
     retired_bytes_ -= static_cast<int64_t>(slab->capacity);
     drop(slab);
   } else if (rewind(slab)) {
+    // No wake-up here: a loop of temporaries empties it every iteration.
+    // The expiry timer looks at it periodically while there is one.
     slab->empty_since = monotonic_seconds();
-    wake_quiet_timer();
   } else {
     current_ = nullptr;
     drop(slab);
@@ -103,6 +104,8 @@ double Slabs::empty_since() const {
     return std::numeric_limits<double>::infinity();
   return current_->empty_since;
 }
+
+bool Slabs::has_current() const { return current_ != nullptr; }
 
 int64_t Slabs::let_go_if_empty(double older_than) {
   if (forked_empty_ != nullptr) drop_forked_empty();

@@ -27,7 +27,8 @@
 // - An empty current slab is kept for the next block (a loop of
 //   temporaries carves and rewinds it), and let go like an idle pooled
 //   segment: by trim(), a cap, or the expiry timer after the pool's idle
-//   time.
+//   time (it looks periodically while a slab is current: a wake-up per
+//   emptying would cost a loop of temporaries a thread switch each).
 // - Memory: a retired slab stays while any block of it lives, so a few
 //   long-lived blocks can keep whole slabs. Retired slabs are bounded: past
 //   kRetiredFloor bytes and kRetiredRatio times the bytes of live small
@@ -82,6 +83,7 @@ class Slabs {
   // the expiry timer lets it go like an idle pooled segment; infinity while
   // a block lives or there is none.
   double empty_since() const;
+  bool has_current() const;
   // Lets go of the current slab if it has been empty for `older_than`
   // seconds (trim, a cap, the expiry timer); the bytes let go.
   int64_t let_go_if_empty(double older_than);

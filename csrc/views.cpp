@@ -28,6 +28,14 @@ std::atomic<int> quiet_fd{-1};
 std::mutex in_flight_mutex;
 std::vector<std::shared_ptr<Segment>> in_flight;
 
+// Wakes the expiry timer if it sleeps without a deadline (wake_when_quiet).
+void wake_quiet_timer() {
+  const int fd = quiet_fd.exchange(-1);
+  if (fd >= 0 && ::write(fd, "q", 1) < 0) {
+    // A full pipe already wakes the timer.
+  }
+}
+
 }  // namespace
 
 View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_,
@@ -179,13 +187,6 @@ py::object message_owner(py::handle owner, int threads) {
 }
 
 void wake_when_quiet(int fd) { quiet_fd.store(fd); }
-
-void wake_quiet_timer() {
-  const int fd = quiet_fd.exchange(-1);
-  if (fd >= 0 && ::write(fd, "q", 1) < 0) {
-    // A full pipe already wakes the timer.
-  }
-}
 
 int64_t prune_in_flight() {
   std::vector<std::shared_ptr<Segment>> done;  // destroyed outside the lock

@@ -127,8 +127,6 @@ py::object mapped_object(py::handle owner, Segment::Mapping kind,
 // to it and disarms it: one wake-up per such sleep, no syscall per message
 // otherwise. -1 disarms.
 void wake_when_quiet(int fd);
-// Wakes it now if armed (a slab went empty: Note [Small blocks] in slabs.h).
-void wake_quiet_timer();
 
 // Segments this process created that no view holds but a message in flight
 // names (kept by the last view's destructor): prune_in_flight lets go of

@@ -111,3 +111,16 @@ def small_born_send_then(outbox, n, then):
     outbox.put(np.arange(n, dtype=np.float64))
     if then == "wait":
         time.sleep(TIMEOUT)
+
+
+def slab_then_idle(inbox, outbox):
+    """Sends a small born array, lets go of it when told, then idles: its
+    empty slab must go back on the expiry timer alone."""
+    torchshm.set_threshold(0)
+    torchshm.set_allocator(True, min_bytes=1)
+    a = np.full(100, 5.0)
+    outbox.put(a)
+    assert inbox.get(timeout=TIMEOUT) == "drop"
+    del a
+    outbox.put("dropped")
+    assert inbox.get(timeout=TIMEOUT) == "exit"

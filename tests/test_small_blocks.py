@@ -12,8 +12,9 @@ import pytest
 
 import torchshm
 from tests import allocator_children
-from tests.conftest import TIMEOUT, stats_delta
+from tests.conftest import TIMEOUT, session_segments, stats_delta
 from tests.test_allocator import roundtrip, segment_of
+from tests.test_lifetime import wait_until
 from torchshm import _C
 
 pytestmark = pytest.mark.multiprocess
@@ -225,3 +226,20 @@ def test_a_block_sent_to_many_is_never_carved_while_one_holds_it(child):
         assert holders[2].receive() == "dropped"
     assert all((o == 2.0).all() for o in others)
     assert all(c.close() == 0 for c in holders)
+
+
+def test_an_empty_slab_goes_back_on_the_idle_timer(monkeypatch, child):
+    monkeypatch.setenv("TORCHSHM_POOL_IDLE_SECONDS", "1")
+    c = child(mp.get_context("spawn"), allocator_children.slab_then_idle)
+    received = c.receive()
+    name = _C.segment_of(_C.memory_owner(received)).name
+    del received
+    gc.collect()
+    c.send("drop")
+    assert c.receive() == "dropped"
+    # The child does nothing more: its timer lets go of the empty slab, then
+    # releases the idle segment, and the keeper closes it.
+    assert wait_until(lambda: name not in session_segments(), 1 + 4)
+    assert c.process.is_alive()
+    c.send("exit")
+    assert c.close() == 0

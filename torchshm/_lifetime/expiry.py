@@ -132,6 +132,8 @@ class _Expiry:
             due = oldest + idle - time.monotonic()
             until = due if due > 0 else period
             wait = until if wait is None else min(wait, until)
+        if _C.has_current_slab():  # it goes empty without waking us
+            wait = period if wait is None else min(wait, period)
         return wait
 
     def _run(self):
