@@ -149,25 +149,45 @@ def run(quick, bar):
     result.extra(
         case, "torchshm / NumPy", ours / result.get(case, label["numpy"])["median"]
     )
-    case = f"{many:,} live x {MANY_BYTES} B"
-    for mode in MODES:
-        run_ = measure(mode, MANY_BYTES, many, "many")
-        bar.update()
-        result.add(case, label[mode], [run_["seconds"]], 0)
-        result.extra(case, f"memory added ({mode})", fmt(run_["memory"], "B"))
-        if mode == "torchshm":
-            result.extra(case, "born shared", run_["shared"])
-            result.extra(case, "fell back", many - run_["shared"])
+    many_case = f"{many:,} live x {MANY_BYTES} B"
+    _memory_case(
+        result,
+        bar,
+        label,
+        many_case,
+        many,
+        "many",
+        lambda run_: {
+            "born shared": run_["shared"],
+            "fell back": many - run_["shared"],
+        },
+    )
     sparse = SPARSE // 10 if quick else SPARSE
-    case = f"{sparse:,} x {MANY_BYTES} B, 1 in {SPARSE_KEPT} kept"
+    _memory_case(
+        result,
+        bar,
+        label,
+        f"{sparse:,} x {MANY_BYTES} B, 1 in {SPARSE_KEPT} kept",
+        sparse,
+        "sparse",
+        lambda run_: {"allocations fell back": run_["fell_back"]},
+    )
+    return result
+
+
+def _memory_case(result, bar, label, case, count, kind, extras):
+    """One run per mode of a case of MANY_BYTES arrays that reports the
+    memory they add; `extras(run)` gives torchshm's other columns."""
+    from benchmarks.report import fmt
+
     for mode in MODES:
-        run_ = measure(mode, MANY_BYTES, sparse, "sparse")
+        run_ = measure(mode, MANY_BYTES, count, kind)
         bar.update()
         result.add(case, label[mode], [run_["seconds"]], 0)
         result.extra(case, f"memory added ({mode})", fmt(run_["memory"], "B"))
         if mode == "torchshm":
-            result.extra(case, "allocations fell back", run_["fell_back"])
-    return result
+            for name, value in extras(run_).items():
+                result.extra(case, name, value)
 
 
 if __name__ == "__main__":
