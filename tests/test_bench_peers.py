@@ -17,7 +17,7 @@ PEER_PACKAGES = ("ray", "grain", "tensordict")
 MISSING = [p for p in PEER_PACKAGES if importlib.util.find_spec(p) is None]
 
 
-def bench(tmp_path, only, env=(), pythonpath=()):
+def bench(tmp_path, only, env=(), pythonpath=(), timeout=600):
     """`python -m benchmarks --quick --only ONLY`'s JSON scenarios."""
     out = tmp_path / "results.json"
     environ = dict(os.environ, **dict(env))
@@ -30,7 +30,7 @@ def bench(tmp_path, only, env=(), pythonpath=()):
         text=True,
         cwd=isolated.ROOT,
         env=environ,
-        timeout=600,
+        timeout=timeout,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())["scenarios"], run.stdout
@@ -84,9 +84,11 @@ def test_peers_off_drops_their_columns(tmp_path):
 
 
 @pytest.mark.skipif(bool(MISSING), reason=f"optional dependency missing: {MISSING}")
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_the_peers_measure_beside_torchshm(tmp_path):
-    scenarios, _ = bench(tmp_path, "big_array,era5,dataloader")
+    # Ray, Grain and joblib start daemons and workers: on a busy 2-core
+    # machine (a Debian lane beside the suite) this ran past 600 s.
+    scenarios, _ = bench(tmp_path, "big_array,era5,dataloader", timeout=1500)
     measured = {s["name"]: {r["method"] for r in s["rows"]} for s in scenarios}
     assert all(s["failures"] == [] for s in scenarios), scenarios
     assert {"ray", "joblib", "torch_fs", "tensordict"} <= measured["big_array"]
