@@ -154,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("SLAB_BYTES") = py::int_(torchshm::Slabs::kSlabBytes);
   m.attr("SMALL_BLOCK_MAX") = py::int_(torchshm::Slabs::kMaxBlock);
   m.attr("RETIRED_SLABS_FLOOR") = py::int_(torchshm::Slabs::kRetiredFloor);
+  m.attr("DECLINED_RETRY_SECONDS") = py::float_(torchshm::Slabs::kRetrySeconds);
   m.def(
       "slab_empty_since", [] { return torchshm::slabs().empty_since(); },
       "When the current slab went empty, or inf (Note [Small blocks]).");

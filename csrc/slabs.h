@@ -57,7 +57,8 @@ class Slabs {
   // After the source declined a slab (a cap, memory full), small blocks go
   // to NumPy without asking again for this long, or until a slab is let go:
   // a fallback then costs what NumPy's allocation costs, not a call into
-  // Python (as AT_CAP_SECONDS in torchshm/_send/allocator.py).
+  // Python (torchshm/_send/allocator.py uses the same wait for large
+  // allocations: _C.DECLINED_RETRY_SECONDS).
   static constexpr double kRetrySeconds = 1.0;
 
   struct Block {

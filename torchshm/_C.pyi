@@ -9,6 +9,7 @@ import numpy
 import torch
 
 COUNTER_NAMES: tuple[Any, ...]
+DECLINED_RETRY_SECONDS: float
 EXPIRY_THREAD_NAME: str
 HOOKS: tuple[Any, ...]
 ITEM_MAX_DEPTH: int

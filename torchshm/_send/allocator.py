@@ -73,7 +73,7 @@ def _handler(min_bytes):
 # growing with what is held). Until this process frees a born block or a
 # segment fd, or AT_CAP_SECONDS pass (a cap another process's frees lift),
 # allocations go straight to NumPy.
-AT_CAP_SECONDS = 1.0
+AT_CAP_SECONDS = _C.DECLINED_RETRY_SECONDS  # the slabs' wait too (csrc/slabs.h)
 _at_cap = None  # (until, what was held): (monotonic seconds, _held())
 
 
