@@ -21,6 +21,7 @@ import torchshm
 from torchshm import _containers
 from torchshm._tools import doctor as _doctor
 from torchshm._containers import _C
+from tests import children
 from tests import container_children as cc
 
 # Every test here starts processes or checks memory they share: each gets
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.multiprocess
 
 # Values as a dataset holds them. No NaN: an item is read back as a new
 # object, and NaN equals only itself, so [nan] == [nan] holds for one list
-# but not between a list and a SharedList (README: Semantics).
+# but not between a list and a SharedList (docs/guide/objects.md).
 scalars = (
     st.none()
     | st.booleans()
@@ -677,6 +678,23 @@ def test_share_names_the_unpicklable_item():
         torchshm.share(data, containers=True)
     with pytest.raises(ValueError, match="min_items"):
         torchshm.share(data, containers=True, min_items=-1)
+
+
+@pytest.mark.parametrize("containers", [False, True])
+def test_a_child_writes_what_share_made_and_the_parent_sees_it(
+    ctx, child, containers
+):
+    """share(containers=True) shares as share() does: arrays written through
+    by every holder, not snapshots that each holder writes privately."""
+    model = {"w": np.zeros(300_000), "names": [str(i) for i in range(1500)]}
+    shared = torchshm.share(model, containers=containers)
+    assert isinstance(shared["names"], torchshm.SharedList) == containers
+    c = child(ctx, children.fill_received)
+    c.send(([shared["w"]], 9.0))
+    assert c.receive() == [True]
+    assert (shared["w"] == 9.0).all()
+    c.send("exit")
+    assert c.close() == 0
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -49,7 +49,8 @@ def share(
     if type(min_items) is not int or min_items < 0:
         raise ValueError(f"min_items must be an int >= 0, got {min_items!r}")
     out = io.BytesIO()
-    _ContainerPickler(out, min_items).dump(obj)
+    with _registry.sharing():  # as round_trip: shared, not snapshots
+        _ContainerPickler(out, min_items).dump(obj)
     return _ContainerUnpickler(io.BytesIO(out.getbuffer())).load()
 
 

@@ -108,16 +108,23 @@ def unregister() -> None:
         _previous = None
 
 
+@contextlib.contextmanager
+def sharing() -> Iterator[None]:
+    """Sharing mode (torchshm.share): arrays copied inside the block become
+    shared memory, written through by every holder, not snapshots (Note
+    [Sender plan] in csrc/plan.h)."""
+    was = _C.set_sharing(True)
+    try:
+        yield
+    finally:
+        _C.set_sharing(was)
+
+
 def round_trip(obj):
     """`obj` pickled and unpickled through the registered reducers in this
     process: its eligible arrays come back in shared memory, one copy each."""
-    # Sharing mode: copies are shared memory, not snapshots (Note [Sender
-    # plan] in csrc/plan.h).
-    was = _C.set_sharing(True)
-    try:
+    with sharing():
         data = ForkingPickler.dumps(obj)
-    finally:
-        _C.set_sharing(was)
     return ForkingPickler.loads(data)
 
 
