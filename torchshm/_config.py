@@ -166,12 +166,82 @@ def on_threshold_change(fn):
 
 
 def get_threshold() -> int:
-    """Arrays with fewer bytes than this are pickled inline, not shared."""
+    """The sharing threshold: arrays with fewer bytes are pickled inline.
+
+    Arrays of at least this many bytes are sent through shared memory;
+    smaller ones are pickled by value with the message (unless a message
+    carries many of them: they are then packed into one segment). Read from
+    ``TORCHSHM_THRESHOLD`` at import (a size in bytes such as ``131072``,
+    ``128K`` or ``1M``), else 262144 (256 KiB); changed by `set_threshold`.
+    The value is this process's; it is also the default `min_bytes` of
+    `allocating` and `set_allocator`.
+
+    Returns
+    -------
+    int
+        The threshold in bytes (0: every non-empty array is shared).
+
+    Raises
+    ------
+    Nothing
+        It returns the current value.
+
+    See Also
+    --------
+    set_threshold
+
+    Examples
+    --------
+    Without ``TORCHSHM_THRESHOLD``:
+
+    >>> torchshm.get_threshold()  # doctest: +SKIP
+    262144
+
+    Whatever it is, an array of more bytes is shared:
+
+    >>> a = np.zeros(torchshm.get_threshold() + 1, dtype=np.uint8)
+    >>> torchshm.is_shared(torchshm.share(a))
+    True
+    """
     return _threshold
 
 
 def set_threshold(nbytes: Union[int, str]) -> None:
-    """Sets the inline/shared crossover in bytes (an int or '128K'-style text)."""
+    """Set the sharing threshold: arrays with fewer bytes are pickled inline.
+
+    Takes effect at once for every thread of this process (and for
+    children forked later); processes started by spawn or forkserver read
+    ``TORCHSHM_THRESHOLD`` from their environment instead. It is also the
+    default `min_bytes` of `allocating` and `set_allocator` from then on.
+
+    Parameters
+    ----------
+    nbytes : int or str
+        The new threshold in bytes: a non-negative int, or text such as
+        ``"131072"``, ``"128K"``, ``"1M"`` or ``"2G"`` (binary units, any
+        case). 0 shares every non-empty array.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ValueError
+        A negative number, a bool, or text that is not a size.
+
+    See Also
+    --------
+    get_threshold
+
+    Examples
+    --------
+    >>> before = torchshm.get_threshold()
+    >>> torchshm.set_threshold("1M")
+    >>> torchshm.get_threshold()
+    1048576
+    >>> torchshm.set_threshold(before)
+    """
     global _threshold
     value = nbytes if isinstance(nbytes, int) else parse_size(nbytes)
     if isinstance(value, bool) or value < 0:

@@ -17,7 +17,7 @@ reference to them (O(1)) and every process maps the same pages.
 The cost is a decode per read (Note [Item codec]): 0.39 us for a record of
 two dozen objects, so reading every field of it costs 1.6x what it does
 from a plain list (`python -m benchmarks.micro containers`, median of 5
-runs; README, Python objects); and read-only semantics: a read returns a
+runs; docs/guide/objects.md); and read-only semantics: a read returns a
 copy, so mutating it changes nothing, and the container cannot be mutated
 at all.
 
@@ -68,7 +68,7 @@ import copyreg
 import io
 import pickle
 import zlib
-from typing import Any, Iterable, Iterator, Tuple
+from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -89,10 +89,26 @@ _TABLE_STRINGS = 4096
 _TABLE_STRING_BYTES = 64
 
 
-def _read_only(message: str):
+_LIST_READ_ONLY = (
+    "{} is read-only (its items live once, in shared memory): build a new"
+    " one, e.g. torchshm.SharedList([*shared, item]), or copy it with"
+    " list(shared)"
+)
+_DICT_READ_ONLY = (
+    "{} is read-only (its values live once, in shared memory): build a"
+    " new one, e.g. torchshm.SharedDict({{**shared, key: value}}), or copy"
+    " it with dict(shared)"
+)
+# The docstrings of the mutators, which exist only to refuse.
+_LIST_MUTATOR = "Not supported: a SharedList is read-only, this raises TypeError."
+_DICT_MUTATOR = "Not supported: a SharedDict is read-only, this raises TypeError."
+
+
+def _read_only(message: str, doc: Optional[str] = None):
     def refuse(self, *args, **kwargs):
         raise TypeError(message.format(type(self).__name__))
 
+    refuse.__doc__ = doc
     return refuse
 
 
@@ -246,16 +262,65 @@ def _no_strings():
 class SharedList(_C.ItemReader, collections.abc.Sequence):
     """A read-only list whose items are stored once in shared memory.
 
-    `SharedList(iterable)` writes each item into one byte buffer plus int64
-    offsets, both in torchshm shared memory: in torchshm's item format when
-    that represents it exactly, else pickled (protocol 5; Note [Item
-    codec]). Indexing decodes just that item (a fresh copy per read); len,
-    `in`, iteration, slices (a SharedList over the same buffer), index,
-    count and == (with lists and SharedLists) behave as for a list.
-    Pickling it through a multiprocessing transport or torchshm.dumps sends
-    a reference to its memory; under fork, workers read it without writing
-    a page of it. With plain pickle (a file) its buffers are pickled by
-    value.
+    ``SharedList(iterable)`` writes each item into one byte buffer plus int64
+    offsets, both in torchshm shared memory (unless smaller than the sharing
+    threshold, `get_threshold`): in torchshm's item format when that
+    represents the item exactly, else pickled (protocol 5). Indexing decodes
+    just that item, a fresh copy per read: mutating it changes nothing
+    stored. len, ``in``, iteration, slices (a SharedList over the same
+    buffer), index, count and ``==`` (with lists and SharedLists) behave as
+    for a list; it is unhashable, and every mutator raises ``TypeError``.
+    Pickling it through a multiprocessing transport or `dumps` sends a
+    reference to its memory; under fork, workers read it without writing a
+    page of it (no copy-on-read). With plain ``pickle`` (a file) its buffers
+    are pickled by value. A SharedList or SharedDict inside an item is
+    stored by reference. Without torchshm's reducers (``TORCHSHM_DISABLE=1``)
+    the buffers stay private: fork workers still read them without
+    copy-on-read, other workers get a copy.
+
+    Parameters
+    ----------
+    iterable : iterable, optional
+        The items (default: none). Each must be picklable.
+
+    Raises
+    ------
+    TypeError
+        An item cannot be pickled (the message names its index); any
+        mutation (``append``, ``shared[i] = x``, ``+=``...).
+
+    See Also
+    --------
+    SharedDict
+    share : ``containers=True`` converts a graph's large lists.
+
+    Examples
+    --------
+    >>> shared = torchshm.SharedList([{"id": i, "tags": ["a", "b"]} for i in range(3)])
+    >>> len(shared), shared[1]
+    (3, {'id': 1, 'tags': ['a', 'b']})
+    >>> shared[1]["id"] = 99  # changes a fresh copy, not what is stored
+    >>> shared[1]["id"], shared[1:] == [shared[1], shared[2]]
+    (1, True)
+    >>> shared.append(4)
+    Traceback (most recent call last):
+        ...
+    TypeError: SharedList is read-only (its items live once, in shared memory): ...
+
+    Sent to another process, it is a reference to its memory, a few hundred
+    bytes whatever its size:
+
+    >>> import multiprocessing, pickle
+    >>> from multiprocessing.reduction import ForkingPickler
+    >>> big = torchshm.SharedList(range(100_000))
+    >>> message = ForkingPickler.dumps(big)
+    >>> len(message) < 1_000 < big.nbytes
+    True
+    >>> pickle.loads(message) == big
+    True
+    >>> with multiprocessing.get_context("fork").Pool(2) as pool:
+    ...     pool.map(len, [big, big])
+    [100000, 100000]
     """
 
     # shared[i] and len() are _C.ItemReader's: one C call (Note [Item codec]).
@@ -325,8 +390,8 @@ class SharedList(_C.ItemReader, collections.abc.Sequence):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its buffer, offsets and string table (a slice shares its
-        parent's buffer)."""
+        """Bytes of its buffer, offsets and string table (a slice counts its
+        parent's buffer, which it shares)."""
         return self._buf.nbytes + self._offsets.nbytes + self._strings.nbytes
 
     def __reduce__(self):
@@ -337,13 +402,16 @@ class SharedList(_C.ItemReader, collections.abc.Sequence):
             self._strings,
         )
 
-    _refuse = _read_only(
-        "{} is read-only (its items live once, in shared memory): build a new"
-        " one, e.g. torchshm.SharedList([*shared, item]), or copy it with"
-        " list(shared)"
-    )
+    _refuse = _read_only(_LIST_READ_ONLY)
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+    append = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    extend = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    insert = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    pop = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    remove = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    clear = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    sort = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
+    reverse = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
 
 
 def _pack_list(items, packer, name):
@@ -370,12 +438,49 @@ def rebuild_shared_list(buf, offsets, children=(), strings=None):
 class SharedDict(collections.abc.Mapping):
     """A read-only dict whose values are stored once in shared memory.
 
-    Keys are str, int, bytes, None or tuples of these (Note [SharedDict
-    keys] in _keys.py); `d[key]`, `in`, get, len, iteration, keys(),
-    values(), items() and == behave as for a dict, in insertion order, with
-    O(1) average lookup through a hash index that is in shared memory too.
-    Reading a value decodes just that value (as SharedList reads an item).
-    Pickling it sends a reference to its memory, as for SharedList.
+    Built like a dict, from a mapping or (key, value) pairs and keyword
+    arguments. Keys are str, int, bytes, None or tuples of these, of exactly
+    these types (no bool, no float, no subclasses); a lookup follows dict's
+    numeric equality (``True``, ``1.0`` and ``numpy.int64(1)`` find the key
+    ``1``). ``d[key]``, ``in``, get, len, iteration, keys(), values(),
+    items() and ``==`` behave as for a dict, in insertion order, with O(1)
+    average lookup through a hash index that is in shared memory too.
+    Reading a value decodes just that value, a fresh copy per read (as
+    `SharedList` reads an item); every mutator raises ``TypeError``.
+    Pickling it sends a reference to its memory, as for `SharedList`.
+
+    Parameters
+    ----------
+    mapping : mapping or iterable of pairs, optional
+        The entries, as ``dict(mapping)`` takes them (default: none).
+    **kwargs : object
+        More entries, keyed by name, as for ``dict``.
+
+    Raises
+    ------
+    TypeError
+        A key of another type (a bool, a float, a frozenset...), a value that cannot
+        be pickled (the message names its key), `mapping` that ``dict()``
+        does not take; any mutation (``d[k] = v``, ``update``...).
+
+    See Also
+    --------
+    SharedList
+    share : ``containers=True`` converts a graph's large dicts.
+
+    Examples
+    --------
+    >>> labels = torchshm.SharedDict({"cat": [0, 1], "dog": [2]}, bird=[])
+    >>> labels["cat"], labels.get("fish"), len(labels)
+    ([0, 1], None, 3)
+    >>> list(labels.items())
+    [('cat', [0, 1]), ('dog', [2]), ('bird', [])]
+    >>> labels == {"cat": [0, 1], "dog": [2], "bird": []}
+    True
+    >>> labels["fish"] = [3]
+    Traceback (most recent call last):
+        ...
+    TypeError: SharedDict is read-only (its values live once, in shared memory): ...
     """
 
     __slots__ = (
@@ -460,6 +565,7 @@ class SharedDict(collections.abc.Mapping):
         return self._value(entry)
 
     def get(self, key, default=None):
+        """The value for `key` (a fresh copy) if `key` is in it, else `default`."""
         entry = self._find(key)
         return default if entry < 0 else self._value(entry)
 
@@ -478,12 +584,15 @@ class SharedDict(collections.abc.Mapping):
         return map(self._reader.__getitem__, range(self._n))
 
     def keys(self):
+        """A set-like view of its keys, in insertion order (as ``dict.keys``)."""
         return collections.abc.KeysView(self)
 
     def values(self):
+        """A view of its values, in insertion order, each read a fresh copy."""
         return _Values(self)
 
     def items(self):
+        """A set-like view of its (key, value) pairs, in insertion order."""
         return _Items(self)
 
     def __repr__(self) -> str:
@@ -511,13 +620,13 @@ class SharedDict(collections.abc.Mapping):
             self._strings,
         )
 
-    _refuse = _read_only(
-        "{} is read-only (its values live once, in shared memory): build a"
-        " new one, e.g. torchshm.SharedDict({{**shared, key: value}}), or copy"
-        " it with dict(shared)"
-    )
+    _refuse = _read_only(_DICT_READ_ONLY)
     __setitem__ = __delitem__ = __ior__ = _refuse
-    pop = popitem = clear = update = setdefault = _refuse
+    pop = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
+    popitem = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
+    clear = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
+    update = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
+    setdefault = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
 
 
 class _Values(collections.abc.ValuesView):

@@ -43,10 +43,52 @@ BATCH_DIM = "batch"
 
 
 def worker_init_fn(worker_id: int) -> None:
-    """DataLoader `worker_init_fn` that registers torchshm's reducers:
-    `DataLoader(..., worker_init_fn=torchshm.worker_init_fn)`. To run your own
-    function too, pass `torchshm.chain(your_fn)`. See Note [Registration in
-    workers]."""
+    """DataLoader ``worker_init_fn`` that registers torchshm in each worker.
+
+    ``DataLoader(..., worker_init_fn=torchshm.worker_init_fn)``. A worker
+    sends with its own process's reducers: under fork it inherits them, but
+    under spawn and forkserver it has them only if something it unpickles
+    imports torchshm. The DataLoader pickles this hook into every worker,
+    which imports torchshm there, and calling it registers again in case
+    the import happened with the reducers off. It registers nothing under
+    ``TORCHSHM_DISABLE=1``. The worker reads ``TORCHSHM_*`` settings from the
+    environment it inherited. To run your own function too, pass
+    ``torchshm.chain(your_fn)``. The 0.1 form ``worker_init_fn(fn)`` still
+    returns ``chain(fn)``, with a ``DeprecationWarning``.
+
+    Parameters
+    ----------
+    worker_id : int
+        The worker's number, as the DataLoader passes it (unused).
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ValueError
+        A ``TORCHSHM_*`` environment variable of the worker has a bad value.
+
+    See Also
+    --------
+    chain, collate, register
+
+    Examples
+    --------
+    >>> from torch.utils.data import DataLoader
+    >>> data = [np.full(100_000, i) for i in range(4)]
+    >>> loader = DataLoader(
+    ...     data,
+    ...     batch_size=2,
+    ...     num_workers=2,
+    ...     worker_init_fn=torchshm.worker_init_fn,
+    ...     collate_fn=torchshm.collate,
+    ...     multiprocessing_context="fork",
+    ... )
+    >>> [(batch.shape, torchshm.is_shared(batch)) for batch in loader]
+    [((2, 100000), True), ((2, 100000), True)]
+    """
     if callable(worker_id):  # the 0.1 form, worker_init_fn(your_fn)
         warnings.warn(
             "torchshm.worker_init_fn(fn) is deprecated: use torchshm.chain(fn)",
@@ -80,20 +122,79 @@ def chain(
     allocate: bool = False,
     tensors: Optional[bool] = None,
 ) -> Callable[..., Optional[T]]:
-    """A picklable hook that registers torchshm in the process that calls it,
-    then returns `fn(*args)` (None if `fn` is None): for a DataLoader's
-    `worker_init_fn(worker_id)`, torchdata's `worker_init_fn(datapipe,
-    worker_info)`, or the map function of a process pool that has no other
-    hook (torchdata.nodes.ParallelMapper, Pool.map). With `allocate=True` it
-    also turns on born-shared allocation in the calling thread first
-    (torchshm.set_allocator(True)), and in the thread that iterates a
-    datapipe `fn` returns (torchdata.with_allocator): the arrays the worker
-    makes are then sent without a copy. `tensors` turns the tensor switch on
-    or off there (register(tensors=...)); None leaves it to the worker's
-    environment (TORCHSHM_TENSORS).
+    """A picklable hook that registers torchshm, then calls `fn`.
 
-    >>> hook = torchshm.chain(None, tensors=True)
-    >>> loader = DataLoader(data, num_workers=4, worker_init_fn=hook)
+    Wherever the hook is called (a worker), it registers torchshm's reducers
+    in that process (not under ``TORCHSHM_DISABLE=1``), then returns
+    ``fn(*args)``. Use it as a DataLoader's ``worker_init_fn(worker_id)``,
+    torchdata's ``worker_init_fn(datapipe, worker_info)``, or the map
+    function of a process pool that has no other hook
+    (``torchdata.nodes.ParallelMapper``, ``Pool.map``). Unpickling the hook
+    in a spawn or forkserver worker imports torchshm there.
+
+    Parameters
+    ----------
+    fn : callable or None
+        Your hook or map function; ``None``: the hook only registers. Under
+        spawn and forkserver it must be picklable (a module-level function).
+    allocate : bool, optional
+        Also turn on born-shared allocation (``set_allocator(True)``) in the
+        calling thread first, and in the thread that iterates a datapipe
+        `fn` returns (`torchshm.torchdata.with_allocator`): the arrays the
+        worker makes are then sent without a copy. Default ``False``.
+    tensors : bool or None, optional
+        Turn the tensor switch on or off in the worker
+        (``register(tensors=...)``); ``None`` (default) leaves it to the
+        worker's environment (``TORCHSHM_TENSORS``). Carried in the hook, so
+        it reaches workers of a fork server started before.
+
+    Returns
+    -------
+    callable
+        The hook: ``hook(*args)`` returns ``fn(*args)`` (``None`` if `fn` is
+        ``None``; with `allocate`, a returned ``IterDataPipe`` is wrapped by
+        `torchshm.torchdata.with_allocator`).
+
+    Raises
+    ------
+    Nothing
+        ``chain`` itself only builds the hook. Calling the hook raises
+        ``ValueError`` for a bad ``TORCHSHM_*`` environment variable, and
+        whatever `fn` raises.
+
+    See Also
+    --------
+    worker_init_fn, set_allocator, torchshm.torchdata.register_in_worker
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch.utils.data import DataLoader
+    >>> hook = torchshm.chain(torch.manual_seed, allocate=True)
+    >>> hook
+    torchshm.chain(<function manual_seed at 0x...>, allocate=True)
+    >>> loader = DataLoader(
+    ...     [np.full(100_000, i) for i in range(4)],
+    ...     batch_size=2,
+    ...     num_workers=2,
+    ...     worker_init_fn=hook,  # torch.manual_seed(worker_id), registered
+    ...     collate_fn=torchshm.collate,
+    ...     multiprocessing_context="fork",
+    ... )
+    >>> [int(batch[:, 0].sum()) for batch in loader]
+    [1, 5]
+
+    Default-collated tensor batches made in torchshm's memory:
+
+    >>> loader = DataLoader(
+    ...     [np.ones(1_000)] * 4,
+    ...     batch_size=2,
+    ...     num_workers=2,
+    ...     worker_init_fn=torchshm.chain(None, tensors=True),
+    ...     multiprocessing_context="fork",
+    ... )
+    >>> [batch.is_shared() for batch in loader]
+    [True, True]
     """
     return RegisterThenCall(fn, "torchshm.chain", allocate, tensors)
 
@@ -134,26 +235,92 @@ def _register_in_worker(tensors=None):
 
 
 def convert(sample: T) -> T:
-    """`collate_fn` for `batch_size=None`: the sample as it is.
+    """DataLoader ``collate_fn`` for ``batch_size=None``: the sample as it is.
 
     The DataLoader's default converts NumPy arrays into tensors; this keeps
     them ndarrays (sent through shared memory). A top-level function, unlike
     a lambda, pickles under spawn and forkserver.
+
+    Parameters
+    ----------
+    sample : object
+        One sample, as the dataset returned it.
+
+    Returns
+    -------
+    object
+        `sample`, unchanged.
+
+    Raises
+    ------
+    Nothing
+        It returns its argument.
+
+    See Also
+    --------
+    collate : for batches.
+
+    Examples
+    --------
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader([np.ones(3)], batch_size=None, collate_fn=torchshm.convert)
+    >>> next(iter(loader))
+    array([1., 1., 1.])
     """
     return sample
 
 
 def collate(batch: Sequence[Any]) -> Any:
-    """`collate_fn` that builds NumPy batches in one shared-memory segment.
+    """DataLoader ``collate_fn`` that builds NumPy batches in shared memory.
 
     Stacks the samples' ndarrays along a new first axis, also inside dicts,
-    tuples, lists and namedtuples (as `default_collate` does, without making
-    tensors). xarray DataArrays and Datasets get a leading "batch" dimension:
-    data variables are stacked, coordinates equal in every sample are kept
-    once and differing ones are stacked (`xarray.concat` with
-    `coords="different"`); dimension coordinates must agree across samples.
-    Python and NumPy scalars become 1-D arrays; other objects (strings,
-    DataFrames) are returned as a list. See Note [One segment per batch].
+    tuples, lists and namedtuples (as ``default_collate`` does, without
+    making tensors); arrays of different dtypes are promoted. Every array of
+    the batch is stacked straight into one shared-memory segment (one copy,
+    no second copy at send time), which is then sent by reference; a batch
+    below the threshold (`get_threshold`), or without torchshm registered,
+    is stacked in ordinary memory, as is one that shared memory cannot take
+    (with one ``RuntimeWarning``). xarray DataArrays and Datasets get a
+    leading ``"batch"`` dimension: data variables are stacked, coordinates
+    equal in every sample are kept once and differing ones are stacked
+    (``xarray.concat`` with ``coords="different"``); dimension coordinates
+    must agree across samples. Python and NumPy scalars become 1-D arrays;
+    other objects (strings, DataFrames, object arrays) are returned as a
+    list. The first sample decides the structure.
+
+    Parameters
+    ----------
+    batch : sequence
+        The samples, a non-empty list (as the DataLoader passes it).
+
+    Returns
+    -------
+    object
+        The batch: an ndarray, or the samples' structure with stacked
+        arrays in it.
+
+    Raises
+    ------
+    TypeError
+        `batch` is not a non-empty sequence (with ``batch_size=None`` use
+        `convert`).
+    ValueError
+        Arrays of different shapes, sequences of different lengths, or
+        mappings with different keys in one batch; xarray samples whose
+        dimension coordinates differ.
+
+    See Also
+    --------
+    convert, worker_init_fn, is_shared
+
+    Examples
+    --------
+    >>> batch = torchshm.collate([np.zeros((256, 256)), np.ones((256, 256))])
+    >>> batch.shape, torchshm.is_shared(batch)  # 1 MiB, stacked in a segment
+    ((2, 256, 256), True)
+    >>> torchshm.collate([{"x": np.arange(3), "y": 0}, {"x": np.arange(3), "y": 1}])
+    {'x': array([[0, 1, 2],
+           [0, 1, 2]]), 'y': array([0, 1])}
     """
     if not isinstance(batch, collections.abc.Sequence) or not len(batch):
         raise TypeError(

@@ -55,12 +55,43 @@ _exports = {}  # token -> _Export
 
 
 class HandleError(OSError):
-    """A handle that can no longer be loaded: its exporter released it or
-    exited, or this process cannot reach the exporter's session (another
-    host, or a container that does not share its /dev/shm), or it is
-    malformed. `.errno` is ESTALE (released, exporter gone), ENOENT (nothing
-    by that name here) or EINVAL (a header field of the wrong type or range:
-    not made by this torchshm's dumps)."""
+    """A `dumps` handle that cannot be loaded (an ``OSError``).
+
+    Raised by `loads` (and `release`, for a malformed handle): its exporter
+    released it or exited, or this process cannot reach the exporter's
+    session (another host, or a container that does not share its
+    ``/dev/shm``), or it is malformed. The message names the exporter (pid,
+    host, torchshm process id, session). ``.errno`` says which:
+    ``errno.ESTALE`` (released, or the exporter is gone), ``errno.ENOENT``
+    (nothing by that name here), ``errno.EACCES``, ``errno.EINVAL`` or
+    ``errno.ELOOP`` (not a torchshm segment of this user, or a header field
+    of the wrong type or range: not made by this torchshm's `dumps`).
+
+    Parameters
+    ----------
+    *args : int, str
+        As for ``OSError``: torchshm raises it as ``HandleError(errno,
+        message)``.
+    **kwargs : dict
+        Not accepted (``OSError`` takes no keyword arguments).
+
+    See Also
+    --------
+    dumps, loads, release
+
+    Examples
+    --------
+    >>> import errno
+    >>> table = np.arange(1_000_000)
+    >>> handle = torchshm.dumps(table)
+    >>> torchshm.release(handle)
+    True
+    >>> try:
+    ...     torchshm.loads(handle)
+    ... except torchshm.HandleError as exc:
+    ...     print(exc.errno == errno.ESTALE, "no longer valid" in str(exc))
+    True True
+    """
 
 
 class _Export:
@@ -124,15 +155,56 @@ def _new_cell():
 
 
 def dumps(obj: Any) -> bytes:
-    """Bytes that torchshm.loads() turns into an equivalent of `obj`, in any
-    process of this user on this node, any number of times, for as long as
-    this process keeps `obj` alive (if it can be weakly referenced; else until
-    release() or exit). Arrays are snapshotted now (shared ones are not
-    copied again); later changes to a fresh `obj` are not seen by loaders,
-    while changes to a torchshm.share()d object are. torch tensors inside obj
-    follow torch's own sharing rules (under the default file_descriptor
-    strategy a tensor can be loaded only once, while its sender lives):
-    convert them to numpy or share them as arrays."""
+    """A handle: bytes that `loads` turns into an equivalent of `obj`.
+
+    Any process of this user on this node may load the handle, any number of
+    times, over any channel (a file, a socket, a Queue), for as long as this
+    process keeps `obj` alive (if it can be weakly referenced; else, e.g. a
+    dict or a list, until `release` or exit). Arrays are snapshotted now
+    (arrays already in shared memory are not copied again): later changes to
+    a fresh `obj` are not seen by loaders, while changes to an object made
+    by `share` are. Unlike a ForkingPickler message, which is meant to be
+    loaded once, the handle pins its memory until it is released. torch
+    tensors inside `obj` follow torch's own sharing rules (under the default
+    ``file_descriptor`` strategy a tensor can be loaded only once, while its
+    sender lives): convert them to numpy or share them as arrays.
+
+    Parameters
+    ----------
+    obj : object
+        What to export: anything ForkingPickler can pickle.
+
+    Returns
+    -------
+    bytes
+        The handle (a pickle: `loads`, or ``pickle.loads``, loads it).
+
+    Raises
+    ------
+    OSError
+        torchshm's ``SharedMemoryError``: torchshm cannot run here (no
+        session keeper answers, no directory to work in), or shared memory
+        cannot hold the handle's small bookkeeping segment.
+    Exception
+        Whatever pickling `obj` raises (``TypeError``,
+        ``pickle.PicklingError``...) for an object that cannot be pickled.
+
+    See Also
+    --------
+    loads, release, share, torchshm.distributed.share_on_node
+
+    Examples
+    --------
+    >>> table = np.arange(1_000_000)
+    >>> handle = torchshm.dumps(table)  # valid while `table` lives
+    >>> type(handle)
+    <class 'bytes'>
+    >>> copy = torchshm.loads(handle)  # in this process, or any other
+    >>> np.array_equal(copy, table), torchshm.is_shared(copy)
+    (True, True)
+    >>> torchshm.release(handle)
+    True
+    """
     _session.join()
     buffer = io.BytesIO()
     pickler = _HandlePickler(buffer)
@@ -158,10 +230,57 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """The object a torchshm.dumps() handle names (see dumps). Raises
-    HandleError, naming the exporter, once the handle was released or its
-    exporter exited, or where its shared memory cannot be seen; naming the
-    field, when the handle's header was altered (ValueError: not a handle)."""
+    """The object a `dumps` handle names, over the exporter's shared memory.
+
+    Works in any process of the exporter's user on its node, any number of
+    times, while the handle is valid (see `dumps`). The loaded object keeps
+    its data readable after the handle is released or its exporter exits;
+    only new loads fail then. ``pickle.loads(data)`` loads a handle too
+    (also inside another pickle), without the ``ValueError`` check.
+
+    Parameters
+    ----------
+    data : bytes
+        A handle made by `dumps`, unchanged.
+
+    Returns
+    -------
+    object
+        An equivalent of the exported object; its arrays are over the
+        exporter's shared memory.
+
+    Raises
+    ------
+    HandleError
+        The handle was released or its exporter exited (``errno.ESTALE``),
+        its shared memory cannot be reached from here (``errno.ENOENT``:
+        another host or container, or the session ended), or a header field
+        was altered (``errno.EINVAL``); the message names the exporter or
+        the field.
+    ValueError
+        `data` is not a handle at all.
+    OSError
+        torchshm cannot run here, or mapping the memory failed otherwise
+        (torchshm's ``SharedMemoryError``, e.g. out of memory).
+
+    See Also
+    --------
+    dumps, release, HandleError
+
+    Examples
+    --------
+    >>> table = np.arange(1_000_000)
+    >>> handle = torchshm.dumps(table)
+    >>> first, second = torchshm.loads(handle), torchshm.loads(handle)
+    >>> int(first[-1]), int(second[-1])
+    (999999, 999999)
+    >>> torchshm.loads(b"not a handle")
+    Traceback (most recent call last):
+        ...
+    ValueError: torchshm.loads: not a torchshm.dumps() handle
+    >>> torchshm.release(handle)
+    True
+    """
     handle = _peek(data)
     if handle is None:
         raise ValueError("torchshm.loads: not a torchshm.dumps() handle")
@@ -169,10 +288,44 @@ def loads(data: bytes) -> Any:
 
 
 def release(data: bytes) -> bool:
-    """Ends a handle made by this process: later loads fail, and the memory
-    it pinned goes back to the pool once every loader dropped it (objects
-    already loaded keep their data). True if this process exported it and it
-    was live; False otherwise (another process's handle, or released)."""
+    """End a handle made by this process: later loads of it fail.
+
+    The memory it pinned goes back to the pool once every loader dropped it
+    (objects already loaded keep their data). Only the exporting process
+    can release a handle; a handle also ends when its exported object is
+    freed (if it can be weakly referenced) or its exporter exits.
+
+    Parameters
+    ----------
+    data : bytes
+        A handle made by `dumps`.
+
+    Returns
+    -------
+    bool
+        True if this process exported it and it was live; False otherwise
+        (another process's handle, or released already).
+
+    Raises
+    ------
+    ValueError
+        `data` is not a handle at all.
+    HandleError
+        A header field of the handle was altered (``errno.EINVAL``).
+
+    See Also
+    --------
+    dumps, loads
+
+    Examples
+    --------
+    >>> records = {"ids": np.arange(1_000_000)}  # a dict: kept until release
+    >>> handle = torchshm.dumps(records)
+    >>> torchshm.release(handle)
+    True
+    >>> torchshm.release(handle)  # released already
+    False
+    """
     handle = _peek(data)
     if handle is None:
         raise ValueError("torchshm.release: not a torchshm.dumps() handle")

@@ -23,21 +23,77 @@ def share(
 ) -> T:
     """An equivalent object whose eligible arrays live in shared memory.
 
-    Works on an array or any picklable object graph (DataFrame, xarray
+    Works on an array or any picklable object graph (a DataFrame, an xarray
     Dataset, a model): it round-trips through torchshm's reducers in this
-    process, so every later send of the result is O(1) whatever its size.
-    Arrays below the threshold and object arrays stay ordinary.
+    process, one copy per array, so every later send of the result is O(1)
+    whatever its size. Arrays below the threshold (`get_threshold`) and
+    object arrays stay ordinary; `obj` itself is not changed.
 
-    With `containers=True`, every list and dict in the graph (a Dataset's
+    With ``containers=True``, every list and dict in the graph (a Dataset's
     attributes included) with at least `min_items` items of plain Python
-    objects becomes a read-only torchshm.SharedList or SharedDict: its items
-    are stored once in shared memory, so workers neither copy them nor
-    write their pages (the copy-on-read problem). A list or dict stays as it
-    is when its items hold an array at or above the threshold or a tensor
-    (those are shared as they are), or, for a dict, when a key is not a str,
-    int, bytes, None or a tuple of these. An item that cannot be pickled is
-    a TypeError naming its index or key. Tuples, sets and subclasses of list
-    and dict are walked through, never converted.
+    objects becomes a read-only `SharedList` or `SharedDict`: its items are
+    stored once in shared memory, so workers neither copy them nor write
+    their pages (the copy-on-read problem). A list or dict stays as it is
+    when its items hold an array at or above the threshold or a tensor
+    (those are shared as they are), or, for a dict, when a key is not a
+    str, int, bytes, None or a tuple of these. Tuples, sets and subclasses
+    of list and dict are walked through, never converted.
+
+    Parameters
+    ----------
+    obj : object
+        What to share: anything ForkingPickler can pickle.
+    containers : bool, optional
+        Also convert large lists and dicts (default ``False``).
+    min_items : int, optional
+        With ``containers=True``, the fewest items a list or dict needs to be
+        converted (default 1000: a smaller one costs a worker little
+        however it is copied). Not checked without `containers`.
+
+    Returns
+    -------
+    object
+        An object of the same type (but for converted containers), whose
+        arrays of at least the threshold live in shared memory.
+
+    Raises
+    ------
+    RuntimeError
+        torchshm's reducers are not registered (``TORCHSHM_DISABLE=1``,
+        `unregister`, or inside `disabled`).
+    ValueError
+        With ``containers=True``, `min_items` is not an int >= 0.
+    TypeError
+        With ``containers=True``, an item of a list or dict to convert cannot
+        be pickled (the message names its index or key).
+    Exception
+        Whatever pickling `obj` raises (``TypeError``,
+        ``pickle.PicklingError``, ``AttributeError``...) for an object that
+        cannot be pickled. Running out of shared memory is not an error: the
+        array stays ordinary, with one ``RuntimeWarning``.
+
+    See Also
+    --------
+    is_shared, SharedList, SharedDict, dumps
+
+    Examples
+    --------
+    >>> a = torchshm.share(np.ones(1_000_000))
+    >>> torchshm.is_shared(a)
+    True
+    >>> import pandas as pd
+    >>> df = torchshm.share(pd.DataFrame({"x": np.arange(100_000.0)}))
+    >>> torchshm.is_shared(df["x"].to_numpy())
+    True
+
+    Large lists of Python objects become SharedLists:
+
+    >>> records = [{"id": i, "label": str(i)} for i in range(2_000)]
+    >>> data = torchshm.share({"records": records}, containers=True)
+    >>> data["records"]
+    SharedList([{'id': 0, 'label': '0'}, {'id': 1, 'label': '1'}, ...])
+    >>> data["records"][5]
+    {'id': 5, 'label': '5'}
     """
     if not _registry.is_registered():
         raise RuntimeError(

@@ -66,7 +66,46 @@ def fallback(reason):
 
 
 def stats() -> Dict[str, Any]:
-    """A snapshot of this process's counters, with fallbacks by reason."""
+    """A snapshot of this process's counters, with fallbacks by reason.
+
+    The counts are this process's since it started (a forked child starts
+    from zero) or since `reset_stats`, all threads together. Keys:
+    ``arrays_shared`` (copied into shared memory to be sent),
+    ``bytes_copied``, ``arrays_resent`` (in shared memory already: sent
+    without a copy), ``snapshots_resent`` (an unchanged array sent again
+    over its last snapshot), ``arrays_inline`` (pickled by value),
+    ``arrays_received``, ``arrays_copied_on_receive``, ``segments_created``,
+    ``segments_attached``, ``segments_reused``, ``mappings_reused``,
+    ``private_mappings_walked``, ``tickets_unavailable``,
+    ``allocations_shared`` and ``allocations_fallback`` (`allocating`),
+    ``storages_moved`` and ``storages_sent`` (torch tensors),
+    ``pool_gave_way``, ``fork_waits_timed_out``, and ``fallbacks``: a dict
+    {reason: count} of the times shared memory was not used (e.g.
+    ``"out of memory"``).
+
+    Returns
+    -------
+    dict
+        {counter name: int}, plus ``"fallbacks"``: {reason (str): int}.
+        A new dict each call: later sends do not change it.
+
+    Raises
+    ------
+    Nothing
+        It reads counters.
+
+    See Also
+    --------
+    reset_stats
+
+    Examples
+    --------
+    >>> torchshm.reset_stats()
+    >>> a = torchshm.share(np.ones(1_000_000))
+    >>> counts = torchshm.stats()
+    >>> counts["arrays_shared"], counts["bytes_copied"], counts["fallbacks"]
+    (1, 8000000, {})
+    """
     result = dict(zip(COUNTERS, _C.counters()))
     with _lock:
         result["fallbacks"] = dict(_fallbacks)
@@ -74,6 +113,30 @@ def stats() -> Dict[str, Any]:
 
 
 def reset_stats() -> None:
+    """Set every counter of `stats` to zero, and forget the fallbacks.
+
+    Only this process's counters: other processes keep theirs.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    Nothing
+        It clears counters.
+
+    See Also
+    --------
+    stats
+
+    Examples
+    --------
+    >>> a = torchshm.share(np.ones(1_000_000))
+    >>> torchshm.reset_stats()
+    >>> torchshm.stats()["arrays_shared"]
+    0
+    """
     _C.reset_counters()
     with _lock:
         _fallbacks.clear()

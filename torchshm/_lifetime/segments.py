@@ -100,9 +100,36 @@ def name_of(tensor):
 
 
 def trim() -> int:
-    """Releases pooled segments and cached mappings that nothing uses now.
+    """Hand idle pooled shared memory back now.
 
-    Returns the bytes of shared memory the pool gave back."""
+    Releases the pooled segments and cached mappings of this process that
+    nothing uses now, and has the session's keeper close them before it
+    returns, instead of waiting for the idle timer
+    (``TORCHSHM_POOL_IDLE_SECONDS``, 30 s by default). Memory that arrays,
+    tensors or messages in flight still use is kept. Only this process's
+    pool: other processes trim their own.
+
+    Returns
+    -------
+    int
+        The bytes of shared memory the pool gave back.
+
+    Raises
+    ------
+    Nothing
+        A keeper that does not answer closes the segments when it can.
+
+    See Also
+    --------
+    stats
+
+    Examples
+    --------
+    >>> a = torchshm.share(np.ones(1_000_000))
+    >>> del a  # its 8 MB segment is idle in the pool now
+    >>> torchshm.trim() > 0
+    True
+    """
     with _holdings.lock:
         _C.release_empty_slab(0.0)  # back to the pool, released below
         freed = _holdings.pool.release_idle()

@@ -20,15 +20,60 @@ from torchshm._native import _C
 
 @contextlib.contextmanager
 def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
-    """Within the block, this thread's (or task's) NumPy allocations of at
-    least `min_bytes` (default: the sharing threshold) are born in shared
-    memory: sending such an array passes a reference, no copy.
+    """Context manager: NumPy allocates large arrays in shared memory.
 
-    A born array is shared like a torch tensor after share_memory_(): what
-    the sender writes to it after sending, receivers that still hold it see.
-    When shared memory cannot take an allocation (a memory limit), NumPy's
-    own memory is used (one warning, counted in
-    stats()["allocations_fallback"])."""
+    Within the block, this thread's (or asyncio task's) NumPy allocations of
+    at least `min_bytes` are born in shared memory: sending such an array
+    passes a reference, no copy. NumPy keeps its memory handler in a context
+    variable, so this is local to the thread or task (other threads, and new
+    ones, keep NumPy's default); an array is always freed by the handler that
+    allocated it, whatever is current by then.
+
+    A born array is shared like a torch tensor after ``share_memory_()``:
+    what the sender writes to it after sending, receivers that still hold it
+    see. When shared memory cannot take an allocation (a memory limit),
+    NumPy's own memory is used instead, with one ``RuntimeWarning``, counted
+    in ``stats()["allocations_fallback"]``.
+
+    Parameters
+    ----------
+    min_bytes : int or None, optional
+        Smallest allocation, in bytes, made in shared memory; at least 1.
+        ``None`` (default): the sharing threshold (`get_threshold`, at
+        least 1) at the time the block is entered.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        The ``with`` statement gets ``None``; the previous allocator is
+        restored on exit.
+
+    Raises
+    ------
+    ValueError
+        On entry, if `min_bytes` is below 1 (or is text that is not an
+        integer).
+    TypeError
+        On entry, if `min_bytes` is not a number.
+
+    See Also
+    --------
+    set_allocator : the same from now on, e.g. in a worker's initializer.
+    is_shared
+
+    Examples
+    --------
+    >>> with torchshm.allocating():
+    ...     a = np.ones(1_000_000)  # 8 MB, born in shared memory
+    >>> torchshm.is_shared(a)
+    True
+    >>> torchshm.is_shared(np.ones(1_000_000))  # outside the block
+    False
+    >>> with torchshm.allocating(min_bytes=1 << 20):
+    ...     small, large = np.ones(1_000), np.ones(1_000_000)
+    >>> torchshm.is_shared(small), torchshm.is_shared(large)
+    (False, True)
+    """
     previous = _C.swap_numpy_handler(_handler(min_bytes))
     try:
         yield
@@ -37,11 +82,63 @@ def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
 
 
 def set_allocator(enabled: bool, min_bytes: Optional[int] = None) -> None:
-    """Turns born-shared allocation on or off for the current thread or task
-    from now on, e.g. in a worker's initializer: a DataLoader worker_init_fn,
-    a Pool initializer, a torchdata worker hook (see README). Turning it on
-    again without `min_bytes` keeps the current setting (a map function may
-    call this per item)."""
+    """Turn born-shared allocation on or off from now on, in this thread.
+
+    `allocating` without the ``with`` block, for a worker's initializer: a
+    DataLoader ``worker_init_fn``, a Pool ``initializer``, a torchdata worker
+    hook (or ``torchshm.chain(fn, allocate=True)``, which calls this). Like
+    `allocating` it is local to the current thread or asyncio task: a thread
+    started later allocates with NumPy's default. Turning it on while it is
+    already on without `min_bytes` keeps the current setting, so a map
+    function may call this for every item.
+
+    Parameters
+    ----------
+    enabled : bool
+        ``True`` turns it on, ``False`` restores the allocator that was
+        current before it was turned on.
+    min_bytes : int or None, optional
+        Smallest allocation, in bytes, made in shared memory; at least 1.
+        ``None`` (default): the sharing threshold (`get_threshold`, at
+        least 1), or, if it is on already, the current setting. Ignored when
+        `enabled` is false.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ValueError
+        If `min_bytes` is below 1 (or is text that is not an integer).
+    TypeError
+        If `min_bytes` is not a number.
+
+    See Also
+    --------
+    allocating : the same for the length of a ``with`` block.
+    torchshm.torchdata.with_allocator : on in whichever thread iterates a
+        datapipe.
+
+    Examples
+    --------
+    >>> torchshm.set_allocator(True)
+    >>> torchshm.is_shared(np.ones(1_000_000))
+    True
+    >>> torchshm.set_allocator(False)
+    >>> torchshm.is_shared(np.ones(1_000_000))
+    False
+
+    In the initializer of a Pool's workers, so that the arrays they return
+    are sent without a copy:
+
+    >>> import multiprocessing
+    >>> ctx = multiprocessing.get_context("fork")
+    >>> with ctx.Pool(2, initializer=torchshm.set_allocator, initargs=(True,)) as pool:
+    ...     results = pool.map(np.ones, [1_000_000, 1_000_000])
+    >>> [torchshm.is_shared(r) for r in results]
+    [True, True]
+    """
     current = _C.current_numpy_handler()
     fallback = _C.born_fallback(current)
     if enabled:

@@ -28,20 +28,59 @@ _previous = None  # the reducers we replaced, restored by unregister()
 
 
 def register(tensors: Optional[bool] = None) -> None:
-    """Sends eligible ndarrays through shared memory from now on (idempotent).
+    """Send eligible ndarrays through shared memory from now on.
 
-    `tensors=True` turns the tensor switch on (as TORCHSHM_TENSORS=1 does, for
-    this process and the ones it starts from now on): CPU tensors torch would
-    move into /dev/shm go into torchshm's memory instead, and DataLoader
-    batches are made there (README, "Tensors"); False turns it off; None
-    reads TORCHSHM_TENSORS. Tensors made by torchshm.empty travel by
-    reference either way.
+    Registers torchshm's reducers with multiprocessing's ForkingPickler (the
+    pickler of Queue, Pipe, Pool and DataLoader), never with copyreg:
+    ``pickle.dumps`` stays by value. ``import torchshm`` calls it, unless
+    ``TORCHSHM_DISABLE=1``. Idempotent, and process-wide (every thread).
+    Where torchshm cannot run (no session keeper answers, no directory to
+    work in) it stays off with one ``RuntimeWarning`` naming the cause, and
+    arrays are pickled by value.
 
-    Raises ValueError for a bad TORCHSHM_* environment variable here, in the
-    caller's thread, rather than later inside a reducer (worker_init_fn calls
-    this in each worker). Where torchshm cannot run (no keeper answers, no
-    directory to work in), it stays off with one warning naming the cause:
-    arrays are pickled by value."""
+    Parameters
+    ----------
+    tensors : bool or None, optional
+        The tensor switch. ``True`` (as ``TORCHSHM_TENSORS=1``, for this
+        process and the ones it starts from now on): CPU tensors that torch
+        would move into ``/dev/shm`` go into torchshm's memory instead, and
+        DataLoader batches are made there. ``False`` turns it off. ``None``
+        (default) reads ``TORCHSHM_TENSORS``. Tensors made by
+        `torchshm.empty` travel by reference either way.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ValueError
+        A ``TORCHSHM_*`` environment variable has a bad value: raised here,
+        in the caller's thread, rather than later inside a reducer
+        (`worker_init_fn` calls this in each worker).
+
+    See Also
+    --------
+    unregister, disabled, is_registered
+
+    Examples
+    --------
+    >>> torchshm.register()  # idempotent: the import already registered
+    >>> torchshm.is_registered()
+    True
+
+    With the tensor switch on, a CPU tensor is moved into torchshm's memory
+    when it is first sent:
+
+    >>> import pickle, torch
+    >>> from multiprocessing.reduction import ForkingPickler
+    >>> torchshm.register(tensors=True)
+    >>> t = torch.ones(100_000)
+    >>> received = pickle.loads(ForkingPickler.dumps(t))
+    >>> t.is_shared(), received.is_shared()
+    (True, True)
+    >>> torchshm.register(tensors=False)  # the switch off again
+    """
     global _previous
     _config.check_environment()
     if tensors is None:
@@ -93,7 +132,36 @@ def _preload_in_forkserver():
 
 
 def unregister() -> None:
-    """Restores plain pickling (or whatever reducer was registered before)."""
+    """Stop sending arrays through shared memory: restore plain pickling.
+
+    Puts back whatever ForkingPickler reducers were registered before
+    `register` (plain pickling, usually), and torch's own storage methods.
+    Process-wide and idempotent. It does not reach processes already
+    started, nor workers that register themselves (`worker_init_fn`).
+    `disabled` does the same for the length of a ``with`` block.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    Nothing
+        It only restores the previous reducers.
+
+    See Also
+    --------
+    register, disabled, is_registered
+
+    Examples
+    --------
+    >>> torchshm.unregister()
+    >>> torchshm.is_registered()
+    False
+    >>> torchshm.register()  # on again
+    >>> torchshm.is_registered()
+    True
+    """
     global _previous
     with _lock:
         if _previous is None:
@@ -129,12 +197,72 @@ def round_trip(obj):
 
 
 def is_registered() -> bool:
+    """Whether torchshm's reducers are registered in this process.
+
+    True after `register` (which ``import torchshm`` calls unless
+    ``TORCHSHM_DISABLE=1``), False after `unregister`, inside `disabled`,
+    where torchshm could not start (see `register`), or where another
+    library replaced the ndarray reducer since.
+
+    Returns
+    -------
+    bool
+        Whether ForkingPickler sends ndarrays with torchshm's reducer.
+
+    Raises
+    ------
+    Nothing
+        It only looks the reducer up.
+
+    See Also
+    --------
+    register, unregister, disabled
+
+    Examples
+    --------
+    >>> torchshm.is_registered()
+    True
+    >>> with torchshm.disabled():
+    ...     torchshm.is_registered()
+    False
+    """
     return _compat.forking_reducers().get(np.ndarray) is _sender.REDUCER
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Pickles arrays by value inside the block (process-wide, not per thread)."""
+    """Context manager: pickle arrays by value inside the block.
+
+    `unregister` on entry and, if torchshm was registered, `register` on
+    exit. Process-wide, not per thread: every thread of the process sends
+    by value meanwhile. `share` raises ``RuntimeError`` inside the block.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        The ``with`` statement gets ``None``.
+
+    Raises
+    ------
+    ValueError
+        On exit, if a ``TORCHSHM_*`` environment variable was given a bad
+        value in the meantime (`register` checks them).
+
+    See Also
+    --------
+    unregister, register
+
+    Examples
+    --------
+    >>> from multiprocessing.reduction import ForkingPickler
+    >>> a = np.ones(1_000_000)
+    >>> with torchshm.disabled():
+    ...     by_value = ForkingPickler.dumps(a)
+    >>> len(by_value) > a.nbytes  # the 8 MB themselves
+    True
+    >>> torchshm.is_registered()  # registered again after the block
+    True
+    """
     was = is_registered()
     unregister()
     try:

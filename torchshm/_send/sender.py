@@ -115,7 +115,45 @@ def policy():
 
 
 def is_shared(array: Any) -> bool:
-    """Whether the array's memory is torch shared memory (sent without a copy)."""
+    """Whether an array's memory is shared memory, sent without a copy.
+
+    True for an array over a torchshm segment (received, from `share`, born
+    in `allocating`, a `collate` batch) or over a torch tensor's shared
+    storage (``share_memory_()``, ``torchshm.empty``): sending it passes a
+    reference. False for ordinary memory, which a send copies (or pickles
+    inline, below the threshold).
+
+    Parameters
+    ----------
+    array : object
+        The array to check; anything that is not a ``numpy.ndarray`` (a torch
+        tensor included: use ``tensor.is_shared()``) gives False.
+
+    Returns
+    -------
+    bool
+        Whether its memory is torchshm or torch shared memory.
+
+    Raises
+    ------
+    Nothing
+        Any object is accepted.
+
+    See Also
+    --------
+    share, allocating
+
+    Examples
+    --------
+    >>> a = np.ones(1_000_000)
+    >>> torchshm.is_shared(a)
+    False
+    >>> torchshm.is_shared(torchshm.share(a))
+    True
+    >>> import torch
+    >>> torchshm.is_shared(torch.ones(10).share_memory_().numpy())
+    True
+    """
     owner = _C.memory_owner(array) if isinstance(array, np.ndarray) else None
     return owner is not None and (
         _segments.name_of(owner) is not None or untyped_storage(owner).is_shared()

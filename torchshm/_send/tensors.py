@@ -141,13 +141,55 @@ def empty(
     dtype: Optional[torch.dtype] = None,
     requires_grad: bool = False,
 ) -> torch.Tensor:
-    """A tensor born in shared memory, like torch.empty (CPU, contiguous): it
-    is sent by reference, without a copy, whether or not the tensor switch is
-    on; what the sender writes to it after sending, receivers see. Its bytes
-    are not cleared. Raises torchshm's SharedMemoryError (an OSError) if
-    shared memory cannot hold it.
+    """A tensor born in shared memory, like ``torch.empty`` (CPU, contiguous).
 
-    >>> batch = torchshm.empty(64, 3, 224, 224, dtype=torch.uint8)
+    It is sent by reference, without a copy, whether or not the tensor
+    switch (``TORCHSHM_TENSORS``, ``register(tensors=True)``) is on: what the
+    sender writes to it after sending, receivers see. Its bytes are not
+    cleared (a reused pooled segment holds what was there).
+
+    Parameters
+    ----------
+    *size : int or sequence of int
+        The shape, as separate ints or one sequence (``empty(2, 3)`` or
+        ``empty((2, 3))``); none makes a 0-d tensor.
+    dtype : torch.dtype or None, optional
+        Element type; ``None`` (default): ``torch.get_default_dtype()``.
+    requires_grad : bool, optional
+        Whether autograd records operations on it (default ``False``).
+
+    Returns
+    -------
+    torch.Tensor
+        A CPU tensor of that shape over a torchshm segment;
+        ``tensor.is_shared()`` is true.
+
+    Raises
+    ------
+    OSError
+        torchshm's ``SharedMemoryError`` (an ``OSError`` subclass) if shared
+        memory cannot hold it: no fallback to ordinary memory here.
+    TypeError
+        A size that is not an int or a sequence of ints.
+    RuntimeError
+        A negative size, or ``requires_grad=True`` with a dtype that is not
+        floating point or complex (torch's own check).
+
+    See Also
+    --------
+    register, allocating
+
+    Examples
+    --------
+    >>> import pickle, torch
+    >>> from multiprocessing.reduction import ForkingPickler
+    >>> batch = torchshm.empty(64, 3, 32, 32, dtype=torch.uint8)
+    >>> batch.shape, batch.is_shared()
+    (torch.Size([64, 3, 32, 32]), True)
+    >>> received = pickle.loads(ForkingPickler.dumps(batch))  # by reference
+    >>> _ = batch.fill_(7)  # written after sending: the receiver sees it
+    >>> int(received[0, 0, 0, 0])
+    7
     """
     if len(size) == 1 and not isinstance(size[0], int):
         size = tuple(size[0])
