@@ -681,9 +681,7 @@ def test_share_names_the_unpicklable_item():
 
 
 @pytest.mark.parametrize("containers", [False, True])
-def test_a_child_writes_what_share_made_and_the_parent_sees_it(
-    ctx, child, containers
-):
+def test_a_child_writes_what_share_made_and_the_parent_sees_it(ctx, child, containers):
     """share(containers=True) shares as share() does: arrays written through
     by every holder, not snapshots that each holder writes privately."""
     model = {"w": np.zeros(300_000), "names": [str(i) for i in range(1500)]}
