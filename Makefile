@@ -21,12 +21,15 @@ REQUIREMENTS := requirements/pip.txt requirements/constraints.txt
 DEBS := g++ util-linux
 LINT_DEBS := black flake8 clang-format
 LANE_DEBS := debootstrap util-linux
+# Sphinx and its Markdown parser and theme, from Debian (on Debian's Python).
+DOC_DEBS := python3-sphinx python3-myst-parser python3-sphinx-rtd-theme
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 # This machine's pip configuration lists local package folders, one warning
 # for each package they lack.
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: deps build test test-debian12 test-debian13 bench soak lint format lock clean
+.PHONY: deps build test test-debian12 test-debian13 bench soak docs figures notebooks \
+	lint format lock clean
 
 # Installs only the Debian packages that are missing.
 apt_install = @scripts/apt_install.sh $(1)
@@ -83,6 +86,27 @@ SOAK_MINUTES ?= 1
 soak: build
 	$(PY) scripts/soak.py --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
+# The docs site, docs/_build/html/index.html. Debian's Sphinx cannot import
+# the torchshm built for .venv: scripts/api_dump.py writes the public names'
+# docstrings for it (Note [API from JSON] in docs/_ext/torchshm_docs.py).
+# Every warning is an error (a broken reference, a public name left out).
+DOCS_BUILD := docs/_build
+
+docs: build
+	$(call apt_install,$(DOC_DEBS))
+	$(PY) scripts/api_dump.py $(DOCS_BUILD)/api.json
+	TORCHSHM_API_JSON=$(abspath $(DOCS_BUILD))/api.json /usr/bin/python3 -m sphinx \
+		-E -W --keep-going -q -b html docs $(DOCS_BUILD)/html
+	@echo "docs: $(DOCS_BUILD)/html/index.html"
+
+# After a reference `make bench`: the docs' and README's figures from
+# benchmarks/results/results.json, and the notebooks' stored outputs.
+figures: build
+	$(PY) scripts/docs_figures.py
+
+notebooks: build
+	$(PY) scripts/run_notebooks.py
+
 # Pins what requirements/pip.txt pulls in, from a scratch venv.
 lock: | deps
 	rm -rf .venv-lock
@@ -98,8 +122,8 @@ lock: | deps
 
 lint:
 	$(call apt_install,$(LINT_DEBS))
-	black --check --quiet torchshm tests benchmarks scripts setup.py
-	flake8 torchshm tests benchmarks scripts setup.py
+	black --check --quiet torchshm tests benchmarks scripts setup.py docs
+	flake8 torchshm tests benchmarks scripts setup.py docs
 	bash -n scripts/debian_lane.sh
 	bash -n scripts/apt_install.sh
 	bash -n scripts/torch_suites.sh
@@ -107,8 +131,9 @@ lint:
 	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
 format:
-	black -q torchshm tests benchmarks scripts setup.py
+	black -q torchshm tests benchmarks scripts setup.py docs
 	clang-format -i csrc/*.cpp csrc/*.h
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json
+	rm -rf $(VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json \
+		$(DOCS_BUILD)

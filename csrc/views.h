@@ -38,9 +38,9 @@ namespace torchshm {
 //   path; with it aside, within the run-to-run noise.
 // What the count cannot see: another process writing this one's memory
 // (process_vm_writev, /proc/<pid>/mem), which faults in the writer; one
-// user's processes are not a boundary (README, Limits). Soft-dirty bits
-// would answer per page without the struct page, but kernels without
-// CONFIG_MEM_SOFT_DIRTY (the reference machine's) never set them, and
+// user's processes are not a boundary (docs/guide/failures.md, Limits).
+// Soft-dirty bits would answer per page without the struct page, but kernels
+// without CONFIG_MEM_SOFT_DIRTY (the reference machine's) never set them, and
 // userfaultfd's write tracking turns off fault-around for the whole mapping
 // (first reads 6x slower) and is refused in Docker's default seccomp.
 struct WriteWatch {

@@ -7,7 +7,8 @@ pickle.dumps and pickle.dump are ForkingPickler with torchshm registered (the
 threshold at 1 byte), so the arrays those tests pickle travel through shared
 memory, and each test must have gone through the swap at least once. Tests
 where torchshm deliberately differs from NumPy's pickle are strict xfails
-(DELIBERATE_DIFFERENCES; README "Differences from NumPy's own pickle").
+(DELIBERATE_DIFFERENCES; docs/guide/sending.md, "Differences from NumPy's own
+pickle").
 
 Below them: user-registered and legacy dtypes through ForkingPickler and a
 spawned child (issue 9, item 5).
@@ -59,9 +60,9 @@ def _is_array(protocol, val):
     return isinstance(val, np.ndarray)
 
 
-# Where torchshm differs from NumPy's own pickle on purpose (README, "Differences
-# from NumPy's own pickle"): "module:Class.test" -> (reason, the parameters it
-# applies to, or None for all). These must fail, with an AssertionError.
+# Where torchshm differs from NumPy's own pickle on purpose (docs/guide/sending.md,
+# "Differences from NumPy's own pickle"): "module:Class.test" -> (reason, the
+# parameters it applies to, or None for all). These must fail, with an AssertionError.
 DELIBERATE_DIFFERENCES = {
     "multiarray:TestFlags.test_writeable_pickle": (
         "the arrays' base is the int8 torch tensor over their segment, not bytes",

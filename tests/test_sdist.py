@@ -36,6 +36,7 @@ IGNORED_DIRS = {
     ".hypothesis",
     ".ipynb_checkpoints",
     "results",  # benchmarks/results
+    "_build",  # docs/_build: `make docs` output
 }
 IGNORED_FILES = {"_build_info.json"}
 # What the sdist must carry (every file of these kinds in the checkout).

@@ -312,7 +312,7 @@ def test_stateful_dataloader_delivers_shared_batches(ctx, no_leaks, dataset):
 
 # No no_leaks: the batches the first loader's workers had prefetched when it
 # was dropped are never received, and their segments wait for the session's
-# end (README, Limits: a message never unpickled).
+# end (docs/guide/lifetime.md: a message never received).
 @needs_stateful
 @pytest.mark.parametrize("dataset", [Frames, Stream])
 def test_stateful_dataloader_resumes_mid_epoch(ctx, dataset):

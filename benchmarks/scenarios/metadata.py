@@ -30,7 +30,7 @@ on the 2-core reference machine (busy), most of it the plain list's spawn
 workers (each gets 2.4 GiB pickled: 88 s to start one) and 8 workers
 unpickling 2,000,000 records each, twice; and a plain list of them cannot
 be copied into 4 or 8 workers in 24 GiB. 500,000 records (0.6 GiB as a
-list) run every row in about 5 min; the README quotes both.
+list) run every row in about 5 min; docs/guide/objects.md quotes both.
 """
 
 import functools
