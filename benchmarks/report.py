@@ -5,6 +5,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import time
 
 from benchmarks.transports import LABELS
 
@@ -72,6 +74,19 @@ class Result:
 
     def extra(self, case, column, value):
         self.extras.setdefault(case, {})[column] = value
+
+    @classmethod
+    def from_json(cls, record):
+        """A Result as `to_json` wrote it (scripts/docs_figures.py plots a
+        stored run)."""
+        result = cls(record["name"], record["title"], record["unit"], record["notes"])
+        result.rows = record["rows"]
+        result.extras = record["extras"]
+        result.summary = record["summary"]
+        result.failures = {
+            (f["case"], f["method"]): f["why"] for f in record["failures"]
+        }
+        return result
 
     def to_json(self):
         for row in self.rows:
@@ -176,12 +191,35 @@ def machine_line(info):
     )
 
 
+def commit():
+    """The checkout's commit ("+" when it has changes), or None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
 def write_json(results, path, info, args):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(
             {
                 "machine": info,
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                "commit": commit(),
                 "args": args,
                 "scenarios": [r.to_json() for r in results],
             },
