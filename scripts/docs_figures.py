@@ -97,11 +97,34 @@ def write(run):
         if not result.rows:  # a table of words (scenario 15)
             continue
         fig = report.plot(result)
+        # The legend beside the axes, where it hides no bar.
+        fig.set_size_inches(11, 5)
+        for ax in fig.axes:
+            if ax.get_legend() is not None:
+                ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         _stamp(fig, run)
         fig.savefig(FIGURES / f"{name}.png", dpi=110)
         plt.close(fig)
     return list(results.values())
+
+
+def scrolling_tables(markdown):
+    """`markdown` with each table in a `{table}` directive of class
+    "scrolls": wide, they scroll sideways instead of wrapping every cell
+    (docs/_static/torchshm.css)."""
+    out, table = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            out += ["```{table}", ":class: scrolls", "", *table, "```"]
+            table = []
+        if line.startswith("- "):  # a note: `__getitem__` is no bold text
+            line = line.replace("__", "\\_\\_")
+        out.append(line)
+    return out
 
 
 def reference_page(run, results):
@@ -114,7 +137,7 @@ def reference_page(run, results):
         "",
     ]
     for result in results:
-        lines += [report.markdown(result)]
+        lines += scrolling_tables(report.markdown(result))
         if result.rows:
             lines += [
                 f"```{{figure}} figures/{result.name}.png",
