@@ -110,16 +110,16 @@ def write(run):
 
 
 def scrolling_tables(markdown):
-    """`markdown` with each table in a `{table}` directive of class
-    "scrolls": wide, they scroll sideways instead of wrapping every cell
-    (docs/_static/torchshm.css)."""
+    """`markdown` with each table in a `<div class="scrolls">`: wide, they
+    scroll sideways instead of wrapping every cell (docs/_static/torchshm.css).
+    Plain Markdown and HTML, so the page reads on a code host too."""
     out, table = [], []
     for line in markdown.splitlines() + [""]:
         if line.startswith("|"):
             table.append(line)
             continue
         if table:
-            out += ["```{table}", ":class: scrolls", "", *table, "```"]
+            out += ['<div class="scrolls">', "", *table, "", "</div>"]
             table = []
         if line.startswith("- "):  # a note: `__getitem__` is no bold text
             line = line.replace("__", "\\_\\_")
@@ -140,12 +140,9 @@ def reference_page(run, results):
         lines += scrolling_tables(report.markdown(result))
         if result.rows:
             lines += [
-                f"```{{figure}} figures/{result.name}.png",
-                f":alt: {json.dumps(result.title)}",
+                f"![{result.title}]({result.name}.png)",
                 "",
-                # "Scenario": a caption that starts "14. " would be a list.
-                f"Scenario {result.title}. {provenance(run)}.",
-                "```",
+                f"*Scenario {result.title}. {provenance(run)}.*",
                 "",
             ]
     (FIGURES / "reference-run.md").write_text("\n".join(lines))
@@ -163,7 +160,9 @@ def readme_figure(run):
             " each method](docs/figures/headline.png)",
             "",
             f"<sub>{provenance(run)}. Every number: "
-            "[the benchmark report](docs/benchmarks.md).</sub>",
+            "[the benchmark report](docs/benchmarks.md) (this run's tables and"
+            " figures: [docs/figures/reference-run.md]"
+            "(docs/figures/reference-run.md)).</sub>",
             README_END,
         ]
     )
