@@ -1,0 +1,62 @@
+"""The docs cannot rot unseen between `make docs` runs (CI builds the site
+with every warning an error; these run in `make test`): the README stays a
+landing page with its figure, every relative link in the README and the docs'
+Markdown resolves, and the API page names every public name once."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import torchshm
+from torchshm import distributed, torchdata
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"] + sorted(
+    p for p in DOCS.rglob("*.md") if "_build" not in p.parts
+)
+# [text](target) and ![alt](target), outside code blocks.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def links(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+
+
+def test_the_readme_is_a_landing_page_with_its_figure():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    figures = re.findall(r"!\[[^\]]*\]\((docs/figures/[^)]+\.png)\)", readme)
+    assert figures and all((ROOT / f).is_file() for f in figures), figures
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    missing = [
+        target
+        for target in links(page)
+        if not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+
+
+def test_the_api_page_names_every_public_name_once():
+    named = {}
+    module = None
+    for line in (DOCS / "api.rst").read_text().splitlines():
+        if m := re.match(r"\.\. torchshm-api:: (\S+)", line):
+            module = m.group(1)
+        elif m := re.match(r"\s+:names:(.*)", line):
+            for name in m.group(1).split():
+                key = f"{module}.{name}"
+                named[key] = named.get(key, 0) + 1
+    public = {
+        f"{mod.__name__}.{name}"
+        for mod in (torchshm, torchdata, distributed)
+        for name in mod.__all__
+        if name != "torchdata"  # the module: its own section
+    }
+    assert set(named) == public, (public - set(named), set(named) - public)
+    assert all(count == 1 for count in named.values()), named
