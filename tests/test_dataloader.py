@@ -145,6 +145,37 @@ def test_chain_registers_then_calls_the_users_function():
     assert torchshm.worker_init_fn(0) is None
 
 
+def test_hooks_run_inside_disabled_leave_torchshm_off_in_this_process():
+    """A hook or map function run in the main process (num_workers=0) inside
+    the caller's `with torchshm.disabled()` does not turn torchshm back on."""
+    calls = []
+    item = {"x": np.ones(100_000)}
+    with torchshm.disabled():
+        torchshm.worker_init_fn(0)
+        torchshm.chain(calls.append)(1)
+        assert torchshm.torchdata.to_shared(item) is item
+        torchshm.torchdata.register_in_worker(None)
+        assert not torchshm.is_registered()
+    assert calls == [1] and torchshm.is_registered()
+
+
+def test_a_worker_forked_inside_disabled_registers_through_its_hook():
+    """The block is this process's: a forked worker is a process of its own,
+    and its worker_init_fn registers as it does outside the block."""
+    loader = DataLoader(
+        ic.WorkerReportDataset("frame", n=2),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=torchshm.chain(ic.record_pid),
+        collate_fn=torchshm.convert,
+        timeout=TIMEOUT,
+    )
+    with torchshm.disabled():
+        reports = list(loader)
+    assert [r["registered"] for r in reports] == [True, True]
+
+
 def test_worker_init_fn_of_a_function_still_chains_but_is_deprecated():
     calls = []
     with pytest.warns(DeprecationWarning, match=r"torchshm\.chain\(fn\)"):

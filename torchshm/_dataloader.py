@@ -230,7 +230,9 @@ class RegisterThenCall:
 
 
 def _register_in_worker(tensors=None):
-    if not _config.registration_disabled():
+    # Not inside the caller's own `with torchshm.disabled()` (a hook or map
+    # function run in the main process, num_workers=0).
+    if not _config.registration_disabled() and not _registry.in_disabled_block():
         _registry.register(tensors)
 
 

@@ -155,7 +155,8 @@ def to_shared(item: T) -> T:
     shared memory. It registers torchshm in the process that runs it (so it
     needs no worker hook) and calls `torchshm.share`; arrays that torchshm
     does not share (below the threshold, object arrays) stay as they are,
-    and with ``TORCHSHM_DISABLE=1`` the item is returned unchanged.
+    and with ``TORCHSHM_DISABLE=1``, or inside the caller's
+    `torchshm.disabled` block, the item is returned unchanged.
 
     Parameters
     ----------

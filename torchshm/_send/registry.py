@@ -4,6 +4,7 @@ pickle.dumps to a file stays by value): ndarrays, torch's untyped storages
 buffers] in arrow.py)."""
 
 import contextlib
+import os
 import threading
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
@@ -25,6 +26,11 @@ REDUCERS = {t: _sender.REDUCER for t in TYPES}
 REDUCERS[_tensors.STORAGE] = _tensors.reduce_storage
 _lock = threading.Lock()
 _previous = None  # the reducers we replaced, restored by unregister()
+# The disabled() blocks open in this process, as (pid, depth): the worker
+# hooks and map functions that register torchshm (worker_init_fn, chain,
+# torchdata.to_shared) leave it off inside one. By pid: a child forked inside
+# the block is a process of its own, whose hook registers as usual.
+_disabled_blocks = (0, 0)
 
 
 def register(tensors: Optional[bool] = None) -> None:
@@ -235,7 +241,11 @@ def disabled() -> Iterator[None]:
 
     `unregister` on entry and, if torchshm was registered, `register` on
     exit. Process-wide, not per thread: every thread of the process sends
-    by value meanwhile. `share` raises ``RuntimeError`` inside the block.
+    by value meanwhile. `share` raises ``RuntimeError`` inside the block,
+    and the hooks that register torchshm (`worker_init_fn`, `chain`,
+    ``torchdata.to_shared``) leave it off when they run in this process; a
+    child forked inside the block is a process of its own, whose hook
+    registers as usual.
 
     Returns
     -------
@@ -263,10 +273,24 @@ def disabled() -> Iterator[None]:
     >>> torchshm.is_registered()  # registered again after the block
     True
     """
+    global _disabled_blocks
     was = is_registered()
+    with _lock:
+        pid, depth = _disabled_blocks
+        _disabled_blocks = (os.getpid(), (depth if pid == os.getpid() else 0) + 1)
     unregister()
     try:
         yield
     finally:
+        with _lock:
+            pid, depth = _disabled_blocks
+            _disabled_blocks = (pid, depth - 1)
         if was:
             register()
+
+
+def in_disabled_block() -> bool:
+    """Whether this process is inside a `disabled` block (its worker hooks
+    then leave torchshm off)."""
+    pid, depth = _disabled_blocks
+    return depth > 0 and pid == os.getpid()
