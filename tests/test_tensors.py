@@ -220,6 +220,15 @@ def test_torchshm_empty_goes_by_reference_without_the_switch():
     assert torchshm.empty((2, 2), requires_grad=True).requires_grad
 
 
+def test_torchshm_empty_takes_sizes_as_torch_empty_does_and_names_bad_ones():
+    assert torchshm.empty(np.int64(3), 2).shape == (3, 2)
+    assert torchshm.empty(torch.Size([2, 5])).shape == (2, 5)
+    assert torchshm.empty([]).shape == ()
+    for bad in [(2.5,), ((2, 2.5),), ("3",)]:
+        with pytest.raises(TypeError, match=r"size must be ints or one sequence"):
+            torchshm.empty(*bad)
+
+
 def test_new_shared_makes_torchshm_storages_only_while_the_switch_is_on():
     torchshm.register(tensors=False)
     assert not in_segment(torch.empty(0).set_(torch.UntypedStorage._new_shared(64)))

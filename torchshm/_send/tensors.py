@@ -18,6 +18,7 @@ never raises where torch's would not.
 
 import errno
 import functools
+import operator
 import os
 import threading
 from typing import Optional, Sequence, Union
@@ -191,14 +192,26 @@ def empty(
     >>> int(received[0, 0, 0, 0])
     7
     """
-    if len(size) == 1 and not isinstance(size[0], int):
-        size = tuple(size[0])
+    shape = _shape(size)
     dtype = dtype or torch.get_default_dtype()
-    shape = torch.Size(size)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     storage = new_storage(shape.numel() * itemsize)
     tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     return tensor.requires_grad_(requires_grad)
+
+
+def _shape(size):
+    """torch.Size of empty()'s sizes: ints (anything with __index__), or one
+    sequence of them, as torch.empty takes."""
+    if len(size) == 1 and not hasattr(size[0], "__index__"):
+        size = size[0]
+    try:
+        return torch.Size([operator.index(s) for s in size])
+    except TypeError:
+        raise TypeError(
+            f"torchshm.empty(): size must be ints or one sequence of ints, got"
+            f" {size!r}"
+        ) from None
 
 
 def _is_shared(storage):
