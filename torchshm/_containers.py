@@ -68,7 +68,7 @@ import copyreg
 import io
 import pickle
 import zlib
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Iterable, Iterator, Tuple
 
 import numpy as np
 import torch
@@ -99,17 +99,26 @@ _DICT_READ_ONLY = (
     " new one, e.g. torchshm.SharedDict({{**shared, key: value}}), or copy"
     " it with dict(shared)"
 )
-# The docstrings of the mutators, which exist only to refuse.
-_LIST_MUTATOR = "Not supported: a SharedList is read-only, this raises TypeError."
-_DICT_MUTATOR = "Not supported: a SharedDict is read-only, this raises TypeError."
 
 
-def _read_only(message: str, doc: Optional[str] = None):
-    def refuse(self, *args, **kwargs):
-        raise TypeError(message.format(type(self).__name__))
+def _read_only(message: str, *mutators: str):
+    """Class decorator: each of `mutators` raises TypeError(`message`), and
+    is a function of its own with a docstring (the API reference lists the
+    public ones)."""
 
-    refuse.__doc__ = doc
-    return refuse
+    def decorate(cls):
+        doc = f"Not supported: a {cls.__name__} is read-only, this raises TypeError."
+        for name in mutators:
+
+            def refuse(self, *args, **kwargs):
+                raise TypeError(message.format(type(self).__name__))
+
+            refuse.__name__, refuse.__qualname__ = name, f"{cls.__qualname__}.{name}"
+            refuse.__doc__ = doc
+            setattr(cls, name, refuse)
+        return cls
+
+    return decorate
 
 
 class _NotPlain(Exception):
@@ -259,6 +268,13 @@ def _no_strings():
     return _frozen(np.zeros(0, np.uint8))
 
 
+# fmt: off
+@_read_only(
+    _LIST_READ_ONLY,
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+    "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+)
+# fmt: on
 class SharedList(_C.ItemReader, collections.abc.Sequence):
     """A read-only list whose items are stored once in shared memory.
 
@@ -402,17 +418,6 @@ class SharedList(_C.ItemReader, collections.abc.Sequence):
             self._strings,
         )
 
-    _refuse = _read_only(_LIST_READ_ONLY)
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-    append = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    extend = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    insert = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    pop = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    remove = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    clear = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    sort = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-    reverse = _read_only(_LIST_READ_ONLY, _LIST_MUTATOR)
-
 
 def _pack_list(items, packer, name):
     """(buffer, offsets, children, string table) of a SharedList of `items`:
@@ -435,6 +440,13 @@ def rebuild_shared_list(buf, offsets, children=(), strings=None):
     return SharedList._from_arrays(*arrays, tuple(children))
 
 
+# fmt: off
+@_read_only(
+    _DICT_READ_ONLY,
+    "__setitem__", "__delitem__", "__ior__",
+    "pop", "popitem", "clear", "update", "setdefault",
+)
+# fmt: on
 class SharedDict(collections.abc.Mapping):
     """A read-only dict whose values are stored once in shared memory.
 
@@ -619,14 +631,6 @@ class SharedDict(collections.abc.Mapping):
             self._children,
             self._strings,
         )
-
-    _refuse = _read_only(_DICT_READ_ONLY)
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    pop = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
-    popitem = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
-    clear = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
-    update = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
-    setdefault = _read_only(_DICT_READ_ONLY, _DICT_MUTATOR)
 
 
 class _Values(collections.abc.ValuesView):
