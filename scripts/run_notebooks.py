@@ -24,8 +24,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def kernel_path(root):
-    """A `python3` kernelspec that runs this interpreter (Debian's own
-    kernelspec runs /usr/bin/python3, which does not see the venv)."""
+    """A `python3` kernelspec under `root` that runs this interpreter, for
+    JUPYTER_PATH (searched first): Debian's own kernelspec runs
+    /usr/bin/python3, which does not see the venv's torchshm."""
     spec = Path(root) / "kernels" / "python3"
     spec.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]

@@ -2,33 +2,34 @@
 (scripts/run_notebooks.py), and run again here, at quick sizes, through
 nbclient so that they cannot rot."""
 
-import json
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+def _run_notebooks():
+    """scripts/run_notebooks.py, which stores the notebooks' outputs: the
+    tests run them the same way."""
+    path = ROOT / "scripts" / "run_notebooks.py"
+    spec = importlib.util.spec_from_file_location("run_notebooks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_notebooks = _run_notebooks()
+
+
 @pytest.fixture(scope="module")
 def jupyter_path(tmp_path_factory):
-    """A `python3` kernelspec that runs this interpreter.
-
-    Debian's own python3 kernelspec launches /usr/bin/python3, which does not
-    see the venv's torchshm; JUPYTER_PATH comes first in the kernel search.
-    """
-    root = tmp_path_factory.mktemp("jupyter")
-    spec = root / "kernels" / "python3"
-    spec.mkdir(parents=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    kernel = {"argv": argv, "display_name": "Python 3", "language": "python"}
-    (spec / "kernel.json").write_text(json.dumps(kernel))
-    return root
+    return run_notebooks.kernel_path(tmp_path_factory.mktemp("jupyter"))
 
 
 def test_notebooks_exist():
@@ -70,13 +71,7 @@ def test_notebook_runs(path, jupyter_path, monkeypatch):
     # conftest lowers the threshold for the other tests; the notebooks show
     # (and benchmark) torchshm as users get it.
     monkeypatch.delenv("TORCHSHM_THRESHOLD", raising=False)
-    client = nbclient.NotebookClient(
-        notebook,
-        kernel_name="python3",
-        timeout=180,
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    client.execute()  # raises CellExecutionError with the failing cell
+    run_notebooks.execute(notebook, path, timeout=180)
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, errors
