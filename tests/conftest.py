@@ -424,6 +424,18 @@ def child():
     assert not failed, f"children exited with {failed}"
 
 
+def script(name):
+    """scripts/NAME.py as a module (scripts/ is no package): tests use what the
+    docs tooling uses."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
+    spec = importlib.util.spec_from_file_location(name, f"{path}/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 __all__ = [
     "torchshm",
     "Child",

@@ -14,10 +14,10 @@ import textwrap
 
 import pytest
 
-import torchshm
-from torchshm import distributed, torchdata
+from tests.conftest import script
 
-MODULES = (torchshm, torchdata, distributed)
+# The modules whose __all__ the API reference documents.
+MODULES = script("api_dump").MODULES
 PUBLIC = [
     (f"{module.__name__}.{name}", getattr(module, name))
     for module in MODULES

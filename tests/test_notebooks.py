@@ -2,10 +2,11 @@
 (scripts/run_notebooks.py), and run again here, at quick sizes, through
 nbclient so that they cannot rot."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import script
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
@@ -14,17 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def _run_notebooks():
-    """scripts/run_notebooks.py, which stores the notebooks' outputs: the
-    tests run them the same way."""
-    path = ROOT / "scripts" / "run_notebooks.py"
-    spec = importlib.util.spec_from_file_location("run_notebooks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-run_notebooks = _run_notebooks()
+# scripts/run_notebooks.py stores the notebooks' outputs: the tests run them
+# the same way.
+run_notebooks = script("run_notebooks")
 
 
 @pytest.fixture(scope="module")
