@@ -5,6 +5,7 @@ back promptly when its holders die. One test per item of issue 9."""
 import errno
 import fcntl
 import gc
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -413,6 +414,45 @@ def test_the_keeper_refuses_other_users():
     assert run.returncode == 0, run.stderr
     # The socket is 0600; were it not, the keeper would close at once (EOF).
     assert run.stdout.strip() in ("refused", "0")
+
+
+@pytest.mark.skipif(
+    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
+)
+def test_a_keeper_that_cannot_see_a_processs_fds_judges_nothing_by_them():
+    """A process that made itself non-dumpable keeps its /proc entry (Linux
+    4.11+), but its fd/ and environ become root's: a keeper of that user
+    cannot list its pipes or read its environment. Then which pipes are open,
+    and whether it started into the session, are unknown, never "none"
+    (unless it is older than the session: tests/test_lifetime.py's other
+    keeper tests show the keeper still judges then)."""
+    keeper_dir = os.path.dirname(_daemon.__file__)
+    code = (
+        "import ctypes,json,os,sys\n"
+        "sys.path.insert(0, sys.argv[1]); import procfs\n"
+        "ready_r, ready_w = os.pipe(); hold_r, hold_w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0\n"
+        "    os.write(ready_w, b'x'); os.read(hold_r, 1); os._exit(0)\n"
+        "os.read(ready_r, 1)\n"
+        "born = procfs.start_time(os.getpid())  # as the keeper's\n"
+        "print(json.dumps([procfs.open_pipes(born) is None,\n"
+        "    procfs.session_in_environment(sys.argv[2], born)]), flush=True)\n"
+        "os.write(hold_w, b'x'); os.wait()\n"
+    )
+    session = "5ee" + os.urandom(4).hex()
+    run = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        + [sys.executable, "-I", "-S", "-c", code, keeper_dir, session],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={"TORCHSHM_SESSION": session},
+    )
+    assert run.returncode == 0, run.stderr
+    pipes_unknown, maybe_in_session = json.loads(run.stdout)
+    assert pipes_unknown, "a ticket on its pipe would be judged dead"
+    assert maybe_in_session, "the keeper would stop lingering for it"
 
 
 def test_the_keeper_survives_running_out_of_fds():

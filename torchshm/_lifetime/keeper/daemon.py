@@ -115,9 +115,22 @@ class Keeper:
         self.idle_since = now
         self.idle_limit = STARTUP_SECONDS
         self.starter = os.getppid()
+        # When the session began, as far as this keeper knows (clock ticks
+        # after boot): its own start, or its oldest member's (a keeper
+        # started again). A process older than that cannot carry the
+        # session's id or its messages' pipes: one whose /proc it cannot
+        # read does not make those unknown (procfs.py).
+        self.born = procfs.start_time(os.getpid())
         self.alone_since = now  # no member connected since
         self.draining = False
         self.after_drain = []  # answers to give once the drain is done
+
+    def saw_member(self, conn):
+        """Moves the session's birth back to a member's start."""
+        pid = _peer_pid(conn)
+        started = procfs.start_time(pid) if pid > 0 else None
+        if started is not None and self.born is not None:
+            self.born = min(self.born, started)
 
     # ---- segments
 
@@ -246,7 +259,7 @@ class Keeper:
         self.seen = tickets
         dead = set()
         if waiting:
-            pipes = procfs.open_pipes()
+            pipes = procfs.open_pipes(self.born)
             for key, (channel, writer) in waiting.items():
                 writing = key[2] & layout.WRITING_BIT
                 if (channel and pipes is not None and channel not in pipes) or (
@@ -326,6 +339,7 @@ class Keeper:
         kind = words[0]
         if kind in (protocol.JOIN, protocol.REJOIN):
             self.members.add(conn)
+            self.saw_member(conn)
             if kind == protocol.JOIN:
                 self.reply(conn, protocol.TABLE, [self.table.fd])
         elif kind == protocol.REGISTER:
@@ -499,7 +513,7 @@ class Keeper:
         flight is on a pipe some process still holds open."""
         if now - self.alone_since >= self.linger:
             return False
-        if procfs.session_in_environment(self.session):
+        if procfs.session_in_environment(self.session, self.born):
             return True
         channels = set()
         for entry in self.by_uid.values():
@@ -515,7 +529,7 @@ class Keeper:
             )
         if not channels:
             return False
-        pipes = procfs.open_pipes()
+        pipes = procfs.open_pipes(self.born)
         return pipes is None or not channels.isdisjoint(pipes)
 
     def run(self):
@@ -584,11 +598,21 @@ def _fd_in_use(fd):
         return False
 
 
+def _peer_creds(conn):
+    """(pid, uid, gid) of the process at the other end of `conn` (pid 0 in
+    another PID namespace)."""
+    return struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    )
+
+
 def _peer_is_us(conn):
     """Only processes of this user may join, register or fetch."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.geteuid()
+    return _peer_creds(conn)[1] == os.geteuid()
+
+
+def _peer_pid(conn):
+    return _peer_creds(conn)[0]
 
 
 def _raise_fd_limit():
