@@ -239,3 +239,37 @@ def test_the_doctor_names_the_tensor_switch_where_dev_shm_is_small(switch):
     assert "/dev/shm is 64.0 MiB" in text or "/dev/shm is 64 MiB" in text, text
     assert "TORCHSHM_TENSORS=1" in text
     assert f"the tensor switch is {'on' if switch == '1' else 'off'} here" in text
+
+
+# A mount namespace whose /proc is an empty tmpfs: no process, no meminfo.
+NO_PROC = ("unshare", "-m", "sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh")
+
+
+@pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
+def test_without_proc_the_fallback_names_proc():
+    code = (
+        "import pickle, warnings, numpy as np, torchshm\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "a = np.arange(1 << 20)\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    b = pickle.loads(ForkingPickler.dumps(a))\n"
+        "assert (b == a).all() and not torchshm.is_shared(b)\n"
+        "print(torchshm.stats()['fallbacks'])\n"
+        "print([str(w.message) for w in seen])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=isolated.ROOT)
+    env.pop("TORCHSHM_SESSION", None)
+    run = subprocess.run(
+        [*NO_PROC, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=isolated.ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    fallbacks, warnings = run.stdout.splitlines()
+    assert fallbacks == "{'no /proc': 1}"
+    assert "/proc/meminfo" in warnings and "mount -t proc" in warnings
+    assert "MemAvailable" not in warnings

@@ -30,6 +30,7 @@ REASONS = {
     errno.ENOSYS: "shared memory not permitted",
     errno.ETIMEDOUT: "session keeper not answering",
     errno.EHOSTDOWN: "no session keeper",
+    errno.ENODATA: "no /proc",  # torchshm._memory.UNKNOWN
 }
 
 _lock = threading.Lock()

@@ -115,6 +115,11 @@ def cgroup_limit():
     return best
 
 
+# What bound() names when /proc/meminfo cannot be read: then nothing says how
+# much memory is left, and no segment is made (check()).
+UNKNOWN = "/proc/meminfo, which cannot be read (is /proc mounted?)"
+
+
 def meminfo():
     """/proc/meminfo's fields in bytes (MemTotal, MemAvailable, Shmem...)."""
     out = {}
@@ -136,16 +141,19 @@ def bound():
     """(bytes torchshm may still use, what bounds it: a text for messages,
     the limit in bytes)."""
     info = meminfo()
-    available = info.get("MemAvailable", info.get("MemFree", 0))
-    best = (
-        available,
-        "the machine's available memory (MemAvailable)",
-        info.get("MemTotal", 0),
-    )
+    if info:
+        available = info.get("MemAvailable", info.get("MemFree", 0))
+        best = (
+            available,
+            "the machine's available memory (MemAvailable)",
+            info.get("MemTotal", 0),
+        )
+    else:
+        best = (0, UNKNOWN, 0)
     cgroup = cgroup_limit()
     if cgroup is not None:
         limit, usage, where = cgroup
-        if limit - usage < best[0]:
+        if best[1] == UNKNOWN or limit - usage < best[0]:
             best = (max(0, limit - usage), f"the memory cgroup limit ({where})", limit)
     return best
 
@@ -192,6 +200,14 @@ def check(nbytes):
         return
     from torchshm._native import _C
 
+    if what == UNKNOWN:
+        raise _C.SharedMemoryError(
+            errno.ENODATA,
+            f"torchshm: cannot tell whether {_size(nbytes)} of shared memory"
+            f" would fit: {UNKNOWN}. Without /proc, torchshm cannot see the"
+            " memory left (nor find segments and holders by it): mount /proc"
+            " (mount -t proc proc /proc) where this process runs",
+        )
     raise _C.SharedMemoryError(
         errno.ENOMEM,
         f"torchshm: no room for {_size(nbytes)} of shared memory: {_size(room)}"
