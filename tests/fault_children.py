@@ -744,6 +744,69 @@ def keeper_restart():
     }
 
 
+def load_twice(conn):
+    """A spawn child that has not joined its session: loads the messages
+    sent as bytes, reporting each load and whether it is a member by then."""
+    import pickle
+
+    from torchshm._lifetime import session
+
+    for _ in range(2):
+        data = conn.recv_bytes()
+        start = time.monotonic()
+        try:
+            a = pickle.loads(data)
+            ok, error = bool((a == np.arange(1 << 18)).all()), None
+            shared = torchshm.is_shared(a)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            ok, shared, error = False, False, f"{type(exc).__name__}: {exc}"
+        conn.send(
+            {
+                "ok": ok,
+                "shared": shared,
+                "error": error,
+                "seconds": time.monotonic() - start,
+                "member": session.joined() is not None,
+            }
+        )
+
+
+def load_without_keeper(how):
+    """A process that is not a member of its session yet loads a message
+    while the keeper cannot take it in (`how`: "stopped" by SIGSTOP, or at
+    its "fd_limit"), then another once the keeper is back: the first comes
+    from the creator (this process) without the keeper, the second after
+    joining."""
+    os.environ["TORCHSHM_KEEPER_TIMEOUT"] = "2"  # the children's deadline
+    keeper = _session.keeper_pid()
+    messages = [bytes(ForkingPickler.dumps(np.arange(1 << 18))) for _ in range(2)]
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=load_twice, args=(there,))
+    limit = resource.prlimit(keeper, resource.RLIMIT_NOFILE)
+    if how == "stopped":
+        os.kill(keeper, signal.SIGSTOP)
+    else:
+        # Its lowest free fd number becomes its soft limit (it raises that
+        # to the hard one only as it starts): no new fd, though it keeps fds
+        # far above it.
+        in_use = {int(fd) for fd in os.listdir(f"/proc/{keeper}/fd")}
+        free = min(set(range(len(in_use) + 1)) - in_use)
+        resource.prlimit(keeper, resource.RLIMIT_NOFILE, (free, limit[1]))
+    try:
+        child.start()
+        here.send_bytes(messages[0])
+        first = here.recv() if here.poll(TIMEOUT) else None
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+        resource.prlimit(keeper, resource.RLIMIT_NOFILE, limit)
+    time.sleep(3)  # past the child's wait after a keeper that did not answer
+    here.send_bytes(messages[1])
+    second = here.recv() if here.poll(TIMEOUT) else None
+    child.join(TIMEOUT)
+    yield {"first": first, "second": second, "exitcode": child.exitcode}
+
+
 SCENARIOS = {
     "born_full": born_full,
     "born_at_the_cap": born_at_the_cap,
@@ -752,6 +815,7 @@ SCENARIOS = {
     "memory_limit": memory_limit,
     "keeper_restart": keeper_restart,
     "idle_senders": idle_senders,
+    "load_without_keeper": load_without_keeper,
 }
 
 

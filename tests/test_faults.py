@@ -141,3 +141,21 @@ def test_a_killed_keeper_is_replaced_without_losing_a_message():
         # A new keeper served the live session to its end.
         assert result["keepers_after"] == 1
         _assert_nothing_left(driver)
+
+
+@pytest.mark.parametrize("how", ["stopped", "fd_limit"])
+def test_a_new_receiver_loads_from_a_live_sender_without_the_keeper(how):
+    """A process that has not joined its session (its keeper SIGSTOPped, or
+    at its fd limit) loads what a live sender sent, through the sender's fd,
+    and joins at a later load."""
+    with isolated.Driver("load_without_keeper", how) as driver:
+        lines, status = driver.results()
+        assert status == 0, driver.stderr()
+        (result,) = lines
+        first, second = result["first"], result["second"]
+        assert first is not None, "the first load did not end"
+        assert first["error"] is None and first["ok"] and first["shared"]
+        assert not first["member"]
+        assert second["error"] is None and second["ok"] and second["member"]
+        assert result["exitcode"] == 0
+        _assert_nothing_left(driver)

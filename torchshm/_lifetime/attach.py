@@ -31,8 +31,8 @@ def attach(locator, ticket, generation):
     A message loaded a second time finds its ticket claimed: it takes a slot
     of its own, valid only while the segment still holds the generation the
     message was written in (Note [Segment lifetime] in csrc/segment.h)."""
-    _session.join(patience=RECEIVE_PATIENCE)
     name, where = parse_locator(locator)
+    _join_to_load()
     me = _C.process_id()
     with _holdings.lock:
         _expiry.timer.resume()
@@ -67,6 +67,19 @@ def attach(locator, ticket, generation):
         owner = segment.tensor(slot, me)
         _holdings.live.remember(name, owner, _on_last_view(name, segment, slot))
         return _C.message_owner(owner, _config.copy_threads())
+
+
+def _join_to_load():
+    """Joins this process's session before its first load, if it can. A
+    keeper that cannot take it in (stopped, swamped, at its fd limit) does
+    not stop a load that the segment's creator can serve: the creator keeps
+    the fd of every segment a message in flight names, and _open finds it
+    through /proc without the keeper; only if it cannot does _open wait for
+    the keeper (RECEIVE_PATIENCE). Joining is tried again at the next load."""
+    try:
+        _session.join()
+    except _C.SharedMemoryError:
+        pass
 
 
 def _ensure_private_mapping(segment, where):
@@ -105,8 +118,8 @@ def _open(session, uid, index, creator_pid, creator_fd):
     """Maps segment `uid` of `session`, from the first place that has it: the
     keeper's fd (through /proc: no round trip), the creator's, or the
     keeper's socket (another PID namespace; a keeper that restarted)."""
-    own = session == _session.session_id()
-    table = _session.table() if own else _session.foreign_table(session)
+    own = session == _session.joined()
+    table = _session.joined_table() if own else _session.foreign_table(session)
     places = []
     keeper = _session.keeper_pid(session)
     if keeper and table is not None and 0 <= index < table.capacity:
@@ -127,12 +140,16 @@ def _open(session, uid, index, creator_pid, creator_fd):
             os.close(fd)
         break
     else:
+        if _session.joined() is None:
+            # Not a member (_join_to_load): the keeper is the last place.
+            _session.join(patience=RECEIVE_PATIENCE)
         fd = _session.fetch(session, uid, index)
         try:
             segment = _C.Segment.attach(fd, session, uid)
         finally:
             os.close(fd)
-        table = _session.table() if own else _session.foreign_table(session)
+        own = session == _session.joined()  # fetch() joins its own session
+        table = _session.joined_table() if own else _session.foreign_table(session)
     segment.rebind(table, index)  # so that its flags reach its keeper
     return segment
 

@@ -58,6 +58,17 @@ def table():
     return _table
 
 
+def joined():
+    """This process's session if it is a member of it, else None (never
+    joins)."""
+    return _session
+
+
+def joined_table():
+    """The session table if this process is a member, else None."""
+    return _table
+
+
 def set_up():
     """Gives the native side this user's run directory (at import, before
     any lock is made); remembers why not if there is none."""
