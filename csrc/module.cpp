@@ -14,6 +14,7 @@
 #include "config.h"
 #include "cxx_runtime.h"
 #include "errors.h"
+#include "fork_guard.h"
 #include "identity.h"
 #include "items.h"
 #include "layout.h"
@@ -206,7 +207,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_lock_dir", &torchshm::set_lock_dir, py::arg("path"));
   m.def("holder_alive", &torchshm::holder_alive, py::arg("holder"));
   m.def("prepare_child", &torchshm::prepare_child);
-  m.def("after_fork_in_parent", &torchshm::after_fork_in_parent);
+  m.def("after_fork_in_parent", [] {
+    torchshm::after_fork_in_parent();
+    torchshm::fork_done_in_parent();
+  });
+  m.def("prepared_fork", &torchshm::prepared_fork);
   m.def("after_fork_in_child", &torchshm::after_fork_in_child);
   m.def("remove_own_lock", &torchshm::remove_own_lock);
 
@@ -319,6 +324,9 @@ PYBIND11_MODULE(_C, m) {
   // Torch storages in segments (tensors.h, Note [Tensor storages]).
   m.def("move_storage", &torchshm::move_storage, py::arg("tensor"),
         py::arg("owner"), py::arg("threads"));
+  m.def("snapshot_storage", &torchshm::snapshot_storage, py::arg("tensor"),
+        py::arg("owner"), py::arg("threads"));
+  m.def("storage_written", &torchshm::storage_written, py::arg("tensor"));
   m.def("segment_storage", &torchshm::segment_storage, py::arg("owner"),
         py::arg("nbytes"));
   m.def("message_ref", &torchshm::message_ref, py::arg("owner"));

@@ -120,10 +120,11 @@ Placement Plan::place(PyArrayObject* array) {
     const int64_t offset =
         address_of(array) -
         reinterpret_cast<int64_t>(owner.storage().data_ptr().get());
-    // Pages of a private mapping that this process wrote are its own, not
-    // the segment's: a reference would send the segment's bytes instead.
+    // Pages of a private (or read-only) mapping that this process wrote
+    // are its own, not the segment's: a reference would send the segment's
+    // bytes instead.
     auto written = [&] {
-      if (view->kind != Segment::Mapping::kPrivate) return false;
+      if (view->kind == Segment::Mapping::kShared) return false;
       const auto [lo, hi] = extent();
       return written_privately(view, offset + lo, offset + hi);
     };

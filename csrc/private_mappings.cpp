@@ -2,6 +2,8 @@
 // one (Note [Snapshots are mapped privately] in segment.h), and finding the
 // pages a process wrote through a private mapping (Note [Knowing that
 // nothing was written] in views.h).
+#include "private_mappings.h"
+
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
@@ -15,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "fork_guard.h"
 #include "parallel.h"
 #include "segment.h"
 #include "stats.h"
@@ -136,29 +139,48 @@ void Segment::mark_snapshot() { header()->snapshot.store(1); }
 bool Segment::snapshot() const { return header()->snapshot.load() != 0; }
 
 uint8_t* Segment::map_private(int fd) const {
-  void* p =
-      ::mmap(nullptr, mapped_bytes_ - kHeaderBytes, PROT_READ | PROT_WRITE,
-             MAP_PRIVATE, fd, static_cast<off_t>(kHeaderBytes));
-  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+  const size_t n = mapped_bytes_ - kHeaderBytes;
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd,
+                   static_cast<off_t>(kHeaderBytes));
+  if (p == MAP_FAILED) return nullptr;
+  track_mapping(p, n);
+  return static_cast<uint8_t*>(p);
 }
 
-uint8_t* Segment::mapping(Mapping kind) {
-  if (kind == Mapping::kShared) return data();
-  TORCH_CHECK(kind == Mapping::kReadOnly, "a private mapping is taken");
-  std::lock_guard<std::mutex> guard(mappings_mutex_);
-  if (readonly_.load() == nullptr) {
-    // A second mapping of the same pages, without an fd (old_size 0
-    // duplicates a shared mapping), then made read-only.
-    const size_t n = mapped_bytes_ - kHeaderBytes;
-    void* p = ::mremap(data(), 0, n, MREMAP_MAYMOVE);
-    if (p == MAP_FAILED) return nullptr;
-    if (::mprotect(p, n, PROT_READ) != 0) {
-      ::munmap(p, n);
-      return nullptr;
+uint8_t* Segment::readonly_mapping(int threads) {
+  {
+    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    if (readonly_ != nullptr) {
+      if (readonly_generation_ != generation()) {
+        // The pool reused the segment: no array over the old generation is
+        // alive here, and pages this process wrote must read the new one.
+        if (!readonly_clean_.unchanged()) drop_written(readonly_, threads);
+        readonly_generation_ = generation();
+        readonly_clean_ = WriteWatch::now();
+      }
+      return readonly_;
     }
-    readonly_.store(static_cast<uint8_t*>(p));
   }
-  return readonly_.load();
+  uint8_t* fresh = take_private(threads);  // clean: fresh or walked
+  if (fresh == nullptr) return nullptr;
+  {
+    std::lock_guard<std::mutex> guard(mappings_mutex_);
+    if (readonly_ == nullptr) {
+      readonly_ = fresh;
+      readonly_generation_ = generation();
+      readonly_clean_ = WriteWatch::now();
+      return fresh;
+    }
+  }
+  give_back_private(fresh, /*written=*/false);  // another thread came first
+  return readonly_mapping(threads);
+}
+
+bool Segment::readonly_written(int64_t lo, int64_t hi) {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  if (readonly_ == nullptr || hi <= lo || readonly_clean_.unchanged())
+    return false;
+  return written_pages(readonly_ + lo, hi - lo);
 }
 
 void Segment::drop_written(uint8_t* data, int threads) {
@@ -223,7 +245,7 @@ void Segment::give_back_private(uint8_t* data, bool written) {
     }
   }
   if (data != nullptr) {  // one mapping is kept, idle or being walked
-    ::munmap(data, mapped_bytes_ - kHeaderBytes);
+    unmap_tracked(data, mapped_bytes_ - kHeaderBytes);
     return;
   }
   // Off the receiver's path: the next message over this segment waits for
@@ -252,7 +274,7 @@ void Segment::walk_done(uint8_t* data) {
     }
   }
   walked_.notify_all();
-  if (data != nullptr) ::munmap(data, mapped_bytes_ - kHeaderBytes);
+  if (data != nullptr) unmap_tracked(data, mapped_bytes_ - kHeaderBytes);
 }
 
 void Segment::adopt_private(Segment& other) {
@@ -275,16 +297,24 @@ bool WriteWatch::unchanged() const {
   return later.pid == pid && later.faults == faults;
 }
 
-bool written_privately(const View* view, int64_t lo, int64_t hi) {
-  if (view->private_data == nullptr || hi <= lo || view->lent.unchanged())
-    return false;
+bool written_pages(uint8_t* p, int64_t n) {
   bool written = false;
-  for_each_written_run(view->private_data + lo, static_cast<size_t>(hi - lo),
-                       [&](uint8_t*, size_t) {
-                         written = true;
-                         return false;
-                       });
+  for_each_written_run(p, static_cast<size_t>(n), [&](uint8_t*, size_t) {
+    written = true;
+    return false;
+  });
   return written;
+}
+
+bool written_privately(const View* view, int64_t lo, int64_t hi) {
+  if (hi <= lo) return false;
+  if (view->lease != nullptr) {
+    const PrivateLease& lease = *view->lease;
+    return !lease.lent.unchanged() && written_pages(lease.data + lo, hi - lo);
+  }
+  if (view->kind == Segment::Mapping::kReadOnly)
+    return view->segment->readonly_written(lo, hi);
+  return false;
 }
 
 }  // namespace torchshm

@@ -20,10 +20,15 @@ namespace {
 
 // An array over segment `owner` (a Python tensor) through the mapping its
 // kind asks for (Note [Snapshots are mapped privately] in segment.h); over
-// `owner` itself when it is not a segment's (torch's own storage). A
-// writable array of a snapshot goes over its message's private view
-// (message_owner); a message that could not have it gets a private copy of
-// the segment's bytes.
+// `owner` itself when it is not a segment's (torch's own storage):
+// - over a message's private mapping (a snapshot's, from attach): there,
+//   read-only or not;
+// - a snapshot handed over otherwise (its shared view itself): over a
+//   private mapping for it alone, if this process can make one;
+// - shared memory: writable arrays over the shared mapping, read-only ones
+//   over the segment's read-only (copy-on-write) mapping.
+// Where the mapping needed cannot be made here, a private copy of the
+// segment's bytes, with the array's flags.
 py::object rebuild_over_mapping(py::handle owner, int64_t offset,
                                 py::handle dtype,
                                 const std::vector<int64_t>& shape,
@@ -32,31 +37,27 @@ py::object rebuild_over_mapping(py::handle owner, int64_t offset,
   using Mapping = Segment::Mapping;
   const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
   View* view = view_of(tensor);
-  auto over = [&](py::handle mapped, bool writable) {
+  auto over = [&](py::handle mapped) {
     return wrap_ndarray(THPVariable_Unpack(mapped.ptr()), offset, dtype, shape,
-                        strides, writable);
+                        strides, writeable);
   };
-  if (view == nullptr) return over(owner, writeable);
-  if (!writeable ||
-      (view->segment->snapshot() && view->kind != Mapping::kPrivate)) {
-    // Read-only arrays over the read-only mapping; a writable one handed the
-    // shared view of a snapshot itself (not through attach) over a private
-    // mapping for it alone, if this process can make one.
-    const py::object mapped =
-        mapped_object(owner, writeable ? Mapping::kPrivate : Mapping::kReadOnly,
-                      config().policy.copy_threads);
-    if (!mapped.is_none()) return over(mapped, writeable);
-    const py::object pristine = mapped_object(owner, Mapping::kReadOnly);
-    TORCH_CHECK(!pristine.is_none(), "cannot map segment ",
-                view->segment->name(), " read-only");
-    if (!writeable) return over(pristine, false);
-    py::object source = over(pristine, false);
-    PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
-    if (copy == nullptr) throw py::error_already_set();
-    count(kArraysCopiedOnReceive);
-    return py::reinterpret_steal<py::object>(copy);
-  }
-  return over(owner, true);
+  if (view == nullptr || view->lease != nullptr) return over(owner);
+  const Mapping kind = view->segment->snapshot() ? Mapping::kPrivate
+                       : writeable               ? Mapping::kShared
+                                                 : Mapping::kReadOnly;
+  const py::object mapped =
+      mapped_object(owner, kind, config().policy.copy_threads);
+  if (!mapped.is_none()) return over(mapped);
+  const py::object source = wrap_ndarray(
+      THPVariable_Unpack(mapped_object(owner, Mapping::kShared).ptr()), offset,
+      dtype, shape, strides, false);
+  PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
+  if (copy == nullptr) throw py::error_already_set();
+  if (!writeable)
+    PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(copy),
+                       NPY_ARRAY_WRITEABLE);
+  count(kArraysCopiedOnReceive);
+  return py::reinterpret_steal<py::object>(copy);
 }
 
 // --- the wire's native functions (named torchshm._reduction.<name>) -------

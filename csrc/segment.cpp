@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "fork_guard.h"
 #include "identity.h"
 #include "ndarray.h"
 #include "parallel.h"
@@ -100,7 +101,9 @@ Segment::Segment(std::string session, uint64_t uid, void* base,
       mapped_bytes_(mapped_bytes),
       capacity_(capacity),
       fd_(fd),
-      creator_pid_(creator_pid) {
+      creator_pid_(creator_pid),
+      epoch_(mapping_epoch()) {
+  track_mapping(base_, mapped_bytes_);
   char buf[32];
   std::snprintf(buf, sizeof buf, "%016" PRIx64, uid_);
   name_ = "torchshm:" + session_ + ":" + buf;
@@ -199,25 +202,28 @@ std::shared_ptr<Segment> Segment::attach(int fd, const std::string& session,
   std::shared_ptr<Segment> segment(
       new Segment(session, uid, base, total, h->capacity, -1, 0));
   // While the fd is open: a receiver keeps none (Note [Snapshots are mapped
-  // privately]).
-  if (segment->snapshot()) {
-    uint8_t* mine = segment->map_private(fd);
-    if (mine == nullptr)
-      throw_errno(errno, "private mmap of segment ", uid, " failed");
-    segment->idle_private_.store(mine);
-  }
+  // privately]). A snapshot's messages need it; shared memory's read-only
+  // arrays do (readonly_mapping), and it costs no page until then.
+  uint8_t* mine = segment->map_private(fd);
+  if (mine == nullptr)
+    throw_errno(errno, "private mmap of segment ", uid, " failed");
+  segment->idle_private_.store(mine);
   return segment;
 }
 
 Segment::~Segment() {
-  ::munmap(base_, mapped_bytes_);
+  // unmap_tracked: none of these is unmapped in the child of a fork
+  // torchshm did not prepare (fork_guard.h).
+  unmap_tracked(base_, mapped_bytes_);
   const size_t data_bytes = mapped_bytes_ - kHeaderBytes;
-  if (uint8_t* p = idle_private_.load()) ::munmap(p, data_bytes);
+  if (uint8_t* p = idle_private_.load()) unmap_tracked(p, data_bytes);
   // A walk that a forked child inherited (the parent's thread is not here).
-  if (walking_ != nullptr) ::munmap(walking_, data_bytes);
-  if (uint8_t* p = readonly_.load()) ::munmap(p, data_bytes);
+  if (walking_ != nullptr) unmap_tracked(walking_, data_bytes);
+  if (readonly_ != nullptr) unmap_tracked(readonly_, data_bytes);
   close_fd();
 }
+
+bool Segment::lost() const { return epoch_ != mapping_epoch(); }
 
 void Segment::fill(int64_t at, const uint8_t* src, int64_t n, int threads) {
   TORCH_CHECK(at >= 0 && n >= 0 && at <= capacity_ - n, "a copy of ", n,

@@ -142,32 +142,38 @@
 // array] in snapshots.h, or a receiver sending on what it received), and
 // every process rebuilds an array over it through one of three mappings of
 // the data, made once per segment and process:
-// - read-only arrays: a PROT_READ mapping (any segment). Writing through its
-//   .base is a SIGSEGV, never a write another process sees.
-// - writable arrays of a snapshot: a MAP_PRIVATE mapping per message.
-//   Reading it maps the segment's own pages (one copy in the node, read
-//   faults as cheap as a read-only mapping's); the first write to a page
-//   copies that page for this process alone (the kernel's copy-on-write, no
-//   signal handler). So what a receiver writes is never seen by the sender,
-//   another receiver, or another message: each message that names a
-//   snapshot gets a private mapping of its own (message_owner), the segment's
-//   idle one (whose written pages are dropped first, MADV_DONTNEED: it reads
-//   the segment again) or, while that one is in use, a new one from this
-//   process's fd (the creator's), or from the segment opened again for an
-//   instant (a receiver keeps no fd: _lifetime/attach.py). Only
-//   if that open fails are a message's writable arrays copied (counted as
-//   arrays_copied_on_receive). A process
-//   sending on a private array sends a reference only while no page of it
-//   was written (/proc/self/pagemap: a written page is no longer the
-//   segment's), else a new snapshot.
+// - arrays of a snapshot, read-only or writable: a MAP_PRIVATE mapping per
+//   message. Reading it maps the segment's own pages (one copy in the
+//   node, read faults as cheap as a read-only mapping's); the first write
+//   to a page copies that page for this process alone (the kernel's
+//   copy-on-write, no signal handler). So what a receiver writes is never
+//   seen by the sender, another receiver, or another message, and a write
+//   to a read-only array through another route (torch.from_numpy(a).add_(),
+//   its .base: NumPy's flag cannot stop those) is no crash either: each
+//   message that names a snapshot gets a private mapping of its own
+//   (message_owner), the segment's idle one (whose written pages are
+//   dropped first, MADV_DONTNEED: it reads the segment again) or, while
+//   that one is in use, a new one from this process's fd (the creator's),
+//   or from the segment opened again for an instant (a receiver keeps no
+//   fd: _lifetime/attach.py). Only if that open fails are a message's
+//   arrays copied (counted as arrays_copied_on_receive). A process
+//   sending on a private array, or on a storage over one, sends a
+//   reference only while no page of it was written (/proc/self/pagemap: a
+//   written page is no longer the segment's), else a new snapshot.
 // - writable arrays of shared memory (share(), handles of shared objects,
 //   the allocator's born arrays): the MAP_SHARED mapping, as everyone sees it.
-// A receiver maps the private one when it opens a snapshot (it has the fd
-// then, and never keeps one); the creator maps it from its own fd when it
-// needs it. The read-only one is a duplicate of the shared mapping (mremap),
-// so no fd is needed.
+// - read-only arrays of shared memory: the segment's read-only mapping, a
+//   MAP_PRIVATE one too, kept for the segment's life in this process. It
+//   sees every other holder's writes (a page is the segment's until this
+//   process writes it), and a write through another route stays this
+//   process's. Pages this process wrote there are dropped when the segment
+//   comes back in a new generation (the pool reused it: no array of the
+//   old one is alive here then).
+// A receiver maps a private one when it opens a segment (it has the fd
+// then, and never keeps one); the creator maps them from its own fd when it
+// needs them.
 // Cost, 512 MiB of existing pages read once, 2-core reference machine
-// (/tmp C program, medians of 3): read-only 0.056 s, MAP_PRIVATE 0.058 s,
+// (/tmp C program, medians of 3): PROT_READ 0.056 s, MAP_PRIVATE 0.058 s,
 // MAP_SHARED read-write 0.059 s; writing every page of the private mapping
 // 0.37 s (a fresh page each) against 0.21 s through the shared one.
 #pragma once
@@ -183,6 +189,7 @@
 #include <string>
 
 #include "layout.h"
+#include "private_mappings.h"
 #include "table.h"
 
 namespace torchshm {
@@ -264,9 +271,6 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // privately]); reuse by the pool clears it.
   void mark_snapshot();
   bool snapshot() const;
-  // The shared or read-only mapping of the data, made on first use; nullptr
-  // if it cannot be made.
-  uint8_t* mapping(Mapping kind);
   // A private mapping of the data for one view, with no page written:
   // the idle one, or a new one from this process's fd; nullptr if neither
   // (see the Note). give_back_private() takes it back when the view dies.
@@ -280,6 +284,18 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // Whether take_private() can give one more message a private mapping: one
   // is idle or being walked, or this process has the fd to make one.
   bool private_ready() const;
+  // The read-only arrays' mapping (see the Note): made on first use from a
+  // private mapping, cleaned of this process's writes when the segment
+  // holds a new generation; nullptr if no private mapping can be had.
+  uint8_t* readonly_mapping(int threads);
+  // Whether this process wrote a page of data bytes [lo, hi) of the
+  // read-only mapping (Note [Knowing that nothing was written] in
+  // private_mappings.h).
+  bool readonly_written(int64_t lo, int64_t hi);
+  // False in the child of a fork torchshm did not prepare: none of this
+  // segment's mappings is there (Note [Forks torchshm did not prepare] in
+  // fork_guard.h), and nothing may touch them.
+  bool lost() const;
   // Takes `other`'s idle private mapping (the same segment, attached anew
   // from a fresh fd) as this one's: a receiver, which keeps no fd, then has
   // a private mapping for one more message (Note [Snapshots are mapped
@@ -341,10 +357,14 @@ class Segment : public std::enable_shared_from_this<Segment> {
   void drop_written(uint8_t* data, int threads);
   // The walk of `data` is done: it becomes the idle mapping.
   void walk_done(uint8_t* data);
-  std::atomic<uint8_t*> readonly_{nullptr};
+  // The read-only mapping (the mutex's): the generation it was cleaned for,
+  // and this process's fault count then.
+  uint8_t* readonly_ = nullptr;
+  uint64_t readonly_generation_ = 0;
+  WriteWatch readonly_clean_;
   mutable std::mutex mappings_mutex_;
-  std::atomic<int64_t> private_views_{0};  // views over private mappings
   bool write_fill_ = false;  // created without populate: fill() by pwrite
+  const uint64_t epoch_;     // mapping_epoch() when its mappings were made
 
  public:
   // Set while a pool of this process keeps the segment (pool.h): its last

@@ -28,6 +28,8 @@ enum Counter : int {
   kStoragesMoved,
   kStoragesSent,
   kPoolGaveWay,
+  kStoragesCopied,
+  kSegmentsPinnedAtFork,
   kCounterCount,
 };
 

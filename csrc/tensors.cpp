@@ -2,6 +2,7 @@
 #include "tensors.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -76,18 +77,48 @@ void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
 }
 
 at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes) {
-  const std::shared_ptr<Segment> segment = checked_view(owner).segment;
-  const std::string& name = segment->name();
-  at::Storage live = segment_storages().get(name);
+  const View& view = checked_view(owner);
+  const std::shared_ptr<Segment>& segment = view.segment;
+  // One storage per segment over its shared mapping; one per message over
+  // a snapshot's private mapping (the mapping's address names the message:
+  // it is not lent again while a storage over it lives).
+  std::string key = segment->name();
+  if (view.lease != nullptr)
+    key += "@" + std::to_string(reinterpret_cast<uintptr_t>(view.lease->data));
+  at::Storage live = segment_storages().get(key);
   if (live && static_cast<int64_t>(live.nbytes()) == nbytes)
     return tensor_of(std::move(live));
   TORCH_CHECK(0 <= nbytes && nbytes <= segment->capacity(), "a storage of ",
               nbytes, " bytes does not fit a segment of ", segment->capacity());
   at::Storage storage(at::Storage::use_byte_size_t(), nbytes,
-                      shared_alias(owner), /*allocator=*/nullptr,
+                      storage_alias(owner), /*allocator=*/nullptr,
                       /*resizable=*/false);
-  segment_storages().remember(name, storage);
+  segment_storages().remember(key, storage);
   return tensor_of(std::move(storage));
+}
+
+void snapshot_storage(const at::Tensor& tensor, const at::Tensor& owner,
+                      int threads) {
+  const std::shared_ptr<Segment> segment = checked_view(owner).segment;
+  at::Storage storage = tensor.storage();
+  const int64_t n = static_cast<int64_t>(storage.nbytes());
+  TORCH_CHECK(n <= segment->capacity(), "a storage of ", n,
+              " bytes does not fit a segment of ", segment->capacity());
+  const auto* src = static_cast<const uint8_t*>(storage.data());
+  {
+    py::gil_scoped_release no_gil;
+    segment->fill(0, src, n, threads);
+  }
+  segment->mark_snapshot();
+  count(kStoragesCopied);
+  count(kBytesCopied, n);
+}
+
+bool storage_written(const at::Tensor& tensor) {
+  const View* view = view_of(tensor);
+  return view != nullptr &&
+         written_privately(view, 0,
+                           static_cast<int64_t>(tensor.storage().nbytes()));
 }
 
 py::object message_ref(py::handle owner) {

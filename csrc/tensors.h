@@ -27,6 +27,13 @@ namespace torchshm {
 // storage arriving twice is the same storage object, and views of it stay
 // views, as torch's shared_cache does for its own. The sender's storage is
 // in that cache too, so a tensor sent back to its sender is its own again.
+// A storage over a snapshot (an array's .base a receiver sends on) is no
+// shared memory: it travels as the snapshot's arrays do (Note [Snapshots
+// are mapped privately] in segment.h). Sent by reference only while this
+// process wrote none of its pages, else copied to a new snapshot
+// (snapshot_storage: never moved, arrays lie over it); rebuilt over its
+// message's private mapping, one storage per message, so that no receiver
+// writes into what others read.
 // Such storages cannot be resized (torch's own shared storages cannot
 // either): their allocator is none.
 
@@ -40,6 +47,18 @@ void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
 // segment behind `owner`: the live one if the segment has one of that size,
 // else a new one, remembered.
 at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes);
+
+// Copies the bytes of `tensor`'s storage (one over a segment that this
+// process wrote privately: storage_written) to the start of the segment
+// behind `owner` (a pooled view, at least as large), a snapshot from now on;
+// `tensor` is left as it is (arrays may lie over it).
+void snapshot_storage(const at::Tensor& tensor, const at::Tensor& owner,
+                      int threads);
+
+// Whether this process wrote a page of `tensor`'s storage where it lies
+// over a private or read-only mapping of a segment (its bytes are then not
+// the segment's: a reference would send the segment's instead).
+bool storage_written(const at::Tensor& tensor);
 
 // This thread's message's reference to the segment behind `owner` (a
 // SegmentRef: pickling it issues the message's ticket).

@@ -38,25 +38,30 @@ void wake_quiet_timer() {
 
 }  // namespace
 
+PrivateLease::PrivateLease(std::shared_ptr<Segment> seg, uint8_t* data_)
+    : segment(std::move(seg)), data(data_), lent(WriteWatch::now()) {}
+
+PrivateLease::~PrivateLease() {
+  if (!segment->lost()) segment->give_back_private(data, !lent.unchanged());
+}
+
 View::View(std::shared_ptr<Segment> seg, int slot_, uint64_t holder_,
-           Segment::Mapping kind_, at::Storage keep_, uint8_t* private_data_)
+           Segment::Mapping kind_, at::Storage keep_,
+           std::shared_ptr<PrivateLease> lease_)
     : segment(std::move(seg)),
       kind(kind_),
       keep(std::move(keep_)),
-      private_data(private_data_),
-      lent(private_data_ != nullptr ? WriteWatch::now() : WriteWatch{}),
+      lease(std::move(lease_)),
       slot(slot_),
       holder(holder_),
       pid(current_pid()) {
   segment->views_.fetch_add(1);
-  if (private_data != nullptr) segment->private_views_.fetch_add(1);
 }
 
 View::~View() {
-  if (private_data != nullptr) {
-    segment->give_back_private(private_data, !lent.unchanged());
-    segment->private_views_.fetch_sub(1);
-  }
+  // After a fork torchshm did not prepare, nothing of the segment is here:
+  // no slot of this process's, no mapping to give back (fork_guard.h).
+  if (segment->lost()) return;
   disown();
   if (segment->views_.fetch_sub(1) != 1) return;
   if (segment->pooled.load()) {
@@ -141,12 +146,28 @@ at::Tensor view_tensor(std::shared_ptr<Segment> segment, int slot,
   return tensor_over(new View(std::move(segment), slot, holder), data, n);
 }
 
+namespace {
+
+at::DataPtr alias_over(const View& view, const at::Tensor& owner, bool shared) {
+  const std::shared_ptr<Segment>& segment = view.segment;
+  const bool leased = !shared && view.lease != nullptr;
+  uint8_t* data = leased ? view.lease->data : segment->data();
+  return at::DataPtr(
+      data,
+      new View(segment, -1, 0,
+               leased ? Segment::Mapping::kPrivate : Segment::Mapping::kShared,
+               slot_owner_storage(owner), leased ? view.lease : nullptr),
+      &delete_view, at::Device(at::kCPU));
+}
+
+}  // namespace
+
+at::DataPtr storage_alias(const at::Tensor& owner) {
+  return alias_over(checked_view(owner), owner, /*shared=*/false);
+}
+
 at::DataPtr shared_alias(const at::Tensor& owner) {
-  const std::shared_ptr<Segment>& segment = checked_view(owner).segment;
-  return at::DataPtr(segment->data(),
-                     new View(segment, -1, 0, Segment::Mapping::kShared,
-                              slot_owner_storage(owner)),
-                     &delete_view, at::Device(at::kCPU));
+  return alias_over(checked_view(owner), owner, /*shared=*/true);
 }
 
 at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
@@ -156,13 +177,17 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
   const at::Storage keep = slot_owner_storage(owner);
   if (kind == Segment::Mapping::kShared) return tensor_of(keep);
   const auto& segment = view->segment;
-  uint8_t* mine = nullptr;
-  uint8_t* data = kind == Segment::Mapping::kPrivate
-                      ? (mine = segment->take_private(threads))
-                      : segment->mapping(kind);
-  if (data == nullptr) return at::Tensor();
-  return tensor_over(new View(segment, -1, 0, kind, keep, mine), data,
-                     segment->capacity());
+  if (kind == Segment::Mapping::kReadOnly) {
+    uint8_t* data = segment->readonly_mapping(threads);
+    if (data == nullptr) return at::Tensor();
+    return tensor_over(new View(segment, -1, 0, kind, keep), data,
+                       segment->capacity());
+  }
+  uint8_t* mine = segment->take_private(threads);
+  if (mine == nullptr) return at::Tensor();
+  auto lease = std::make_shared<PrivateLease>(segment, mine);
+  return tensor_over(new View(segment, -1, 0, kind, keep, std::move(lease)),
+                     mine, segment->capacity());
 }
 
 py::object mapped_object(py::handle owner, Segment::Mapping kind, int threads) {

@@ -10,46 +10,24 @@
 #include <cstdint>
 #include <memory>
 
+#include "private_mappings.h"
 #include "segment.h"
 
 namespace torchshm {
 
-// Note [Knowing that nothing was written]
-// A private mapping serves the next message only once the pages this
-// process wrote in it are dropped (they are its own copies, no longer the
-// segment's). Finding them walks the page table (PAGEMAP_SCAN, Linux 6.7+,
-// else /proc/self/pagemap): 4-5 ms per 512 MiB present, 2-core reference
-// machine, because telling a copied page from the file's reads each page's
-// struct page. Two things keep that off the receiver's path:
-// - The walk is skipped when it cannot find anything: a write through a
-//   private mapping of a file always faults (its pages are the file's,
-//   mapped read-only, until the kernel copies one), and the kernel counts
-//   every fault a process takes, whatever thread takes it (getrusage: minor
-//   plus major faults). So if the count is the same when a view dies as
-//   when its mapping was lent to it, in the same process, no page was
-//   copied, provided none was copied before: a mapping is lent only fresh
-//   or walked, so that holds. A pipeline's receiver usually faults
-//   somewhere meanwhile (a DataLoader's main process did, every batch), a
-//   ping-pong receiver does not.
-// - Otherwise the walk runs on a thread of its own as the view dies
-//   (give_back_private), while the receiver goes on; the next message over
-//   that segment waits for it only if it comes first. An ERA5 DataLoader
-//   epoch (benchmarks era5) cost 14% more with the walk on the receiver's
-//   path; with it aside, within the run-to-run noise.
-// What the count cannot see: another process writing this one's memory
-// (process_vm_writev, /proc/<pid>/mem), which faults in the writer; one
-// user's processes are not a boundary (docs/guide/failures.md, Limits).
-// Soft-dirty bits would answer per page without the struct page, but kernels
-// without CONFIG_MEM_SOFT_DIRTY (the reference machine's) never set them, and
-// userfaultfd's write tracking turns off fault-around for the whole mapping
-// (first reads 6x slower) and is refused in Docker's default seccomp.
-struct WriteWatch {
-  pid_t pid = 0;
-  int64_t faults = -1;
-  // This process's fault count now.
-  static WriteWatch now();
-  // Whether this process took no fault since `now()` made this one.
-  bool unchanged() const;
+// A private mapping of a segment's data lent to one message (Note [Snapshots
+// are mapped privately] in segment.h): its view, and every storage rebuilt
+// over it (tensors.h), share it. The last to go gives it back to the
+// segment, which drops the pages this process wrote before lending it again.
+struct PrivateLease {
+  PrivateLease(std::shared_ptr<Segment> segment, uint8_t* data);
+  ~PrivateLease();
+  PrivateLease(const PrivateLease&) = delete;
+  PrivateLease& operator=(const PrivateLease&) = delete;
+
+  const std::shared_ptr<Segment> segment;
+  uint8_t* const data;
+  const WriteWatch lent;  // when it was lent
 };
 
 // One live view of a segment: the context of a tensor's storage. It keeps the
@@ -61,7 +39,8 @@ struct WriteWatch {
 struct View {
   View(std::shared_ptr<Segment> segment, int slot, uint64_t holder,
        Segment::Mapping kind = Segment::Mapping::kShared,
-       at::Storage keep = at::Storage(), uint8_t* private_data = nullptr);
+       at::Storage keep = at::Storage(),
+       std::shared_ptr<PrivateLease> lease = nullptr);
   ~View();
   // Releases the slot now if this process owns it.
   void disown();
@@ -72,10 +51,10 @@ struct View {
 
   std::shared_ptr<Segment> segment;
   const Segment::Mapping kind;
-  const at::Storage keep;       // the slot owner's storage, for an alias
-  uint8_t* const private_data;  // the private mapping this view owns
-  const WriteWatch lent;        // when private_data was lent to it
-  std::atomic<int> slot;        // -1: owns none
+  const at::Storage keep;  // the slot owner's storage, for an alias
+  // The private mapping this view lies over (kind kPrivate).
+  const std::shared_ptr<PrivateLease> lease;
+  std::atomic<int> slot;  // -1: owns none
   std::atomic<uint64_t> holder;
   std::atomic<pid_t> pid;
 };
@@ -97,14 +76,17 @@ at::Tensor tensor_of(at::Storage storage);
 // privately]): for a snapshot, a view over a private mapping of its own if
 // one can be had, else `owner` (a Python tensor over a segment).
 py::object message_owner(py::handle owner, int threads);
-// Whether this process wrote a page of bytes [lo, hi) of the private
-// mapping behind `view` (those pages are its own now, not the segment's);
-// false for any other view.
+// Whether this process wrote a page of bytes [lo, hi) of the private or
+// read-only mapping behind `view` (those pages are its own now, not the
+// segment's); false for a view of the shared mapping.
 bool written_privately(const View* view, int64_t lo, int64_t hi);
-// A data pointer to the start of the shared mapping of the segment behind
-// `owner` (a tensor view_of knows), whose context is a new view owning no
-// slot and keeping the slot owner's storage alive (Note [Tensor storages]
-// in tensors.h).
+// A data pointer to the start of the mapping `owner` (a tensor view_of
+// knows) lies over: its message's private mapping, else the shared one;
+// its context is a new view owning no slot, keeping the slot owner's
+// storage (and the private mapping) alive (Note [Tensor storages] in
+// tensors.h).
+at::DataPtr storage_alias(const at::Tensor& owner);
+// storage_alias over the shared mapping, whatever `owner` lies over.
 at::DataPtr shared_alias(const at::Tensor& owner);
 // An int8 tensor over the whole data through mapping `kind`, keeping
 // `owner` (a tensor view_of knows) alive: `owner` itself if it is that

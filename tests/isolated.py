@@ -1,6 +1,7 @@
 """Drivers in a torchshm session of their own, and what a session leaves behind.
 
-A driver is `python -m tests.fault_children SCENARIO ...` started without
+A driver is `python -m tests.fault_children SCENARIO ...` (or another
+module's `main`, `module=`) started without
 TORCHSHM_SESSION, so it founds a fresh session: every segment it or its
 descendants create is held by that session's keeper, the one
 `daemon.py <session>` process (the keeper). The driver prints `session <id>` first, then
@@ -34,7 +35,7 @@ GRACE = 30
 class Driver:
     """One driver process; every wait is bounded and close() kills leftovers."""
 
-    def __init__(self, *args, wrapper=(), timeout=120):
+    def __init__(self, *args, wrapper=(), timeout=120, module="tests.fault_children"):
         env = dict(os.environ)
         env.pop("TORCHSHM_SESSION", None)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -45,7 +46,7 @@ class Driver:
         # A file, not a pipe: children writing tracebacks must never block.
         self.errors = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "tests.fault_children", *args],
+            [*wrapper, sys.executable, "-m", module, *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

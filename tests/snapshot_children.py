@@ -2,6 +2,8 @@
 forkserver)."""
 
 
+import torch
+
 import torchshm
 from torchshm import _C
 from torchshm._lifetime import segments as _segments
@@ -61,6 +63,27 @@ def send_on(inbox, outbox):
     array[1] = -5.0
     outbox.put(array)
     assert inbox.get() == "done"
+    del array
+
+
+def write_read_only(inbox, outbox):
+    """Receives a read-only float64 array and writes it as torch lets one:
+    element 0 through torch.from_numpy, element 1 through its int8 .base;
+    reports it before and after, then every array it receives until None
+    (holding the first)."""
+    import warnings
+
+    array = inbox.get()
+    outbox.put(describe(array))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not writable ... undefined behavior"
+        torch.from_numpy(array)[0] += 100
+    at = array.__array_interface__["data"][0] - array.base.data_ptr()
+    array.base[at + 8 : at + 16] = 0  # element 1: 0.0
+    outbox.put(describe(array))
+    while (message := inbox.get()) is not None:
+        outbox.put(describe(message))
+        del message
     del array
 
 

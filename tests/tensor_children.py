@@ -144,3 +144,30 @@ def send_under_fd_limit(inbox, outbox, count, hard):
     inbox.get()  # all received: the feeder pickled them all
     outbox.put(torchshm.stats()["fallbacks"])
     inbox.get()
+
+
+def forward_base(inbox, outbox, switch, value):
+    """Receives a uint8 array, writes `value` into its first byte unless
+    None, and sends on the int8 tensor under it (its .base), with the
+    array's offset there; then holds both until told to go."""
+    torch.set_num_threads(1)
+    torchshm.register(tensors=switch)
+    array = inbox.get()
+    if value is not None:
+        array[0] = value
+    at = array.__array_interface__["data"][0] - array.base.data_ptr()
+    outbox.put((array.base, at))
+    inbox.get()
+    outbox.put(int(array[0]))
+
+
+def write_received_tensor(inbox, outbox, switch):
+    """Receives (tensor, at, value): reports the byte at `at`, writes `value`
+    there, and reports it read back; holds the tensor until told to go."""
+    torch.set_num_threads(1)
+    torchshm.register(tensors=switch)
+    tensor, at, value = inbox.get()
+    first = int(tensor[at])
+    tensor[at] = value
+    outbox.put((first, int(tensor[at])))
+    inbox.get()

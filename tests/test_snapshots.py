@@ -1,7 +1,6 @@
 """One snapshot for an unchanged array sent many times, mapped privately by
-its receivers; read-only arrays mapped read-only (Notes [Resending an
-unchanged array] in csrc/snapshots.h and [Snapshots are mapped privately] in
-csrc/segment.h)."""
+its receivers, read-only arrays too (Notes [Resending an unchanged array] in
+csrc/snapshots.h and [Snapshots are mapped privately] in csrc/segment.h)."""
 
 import gc
 from multiprocessing.reduction import ForkingPickler
@@ -103,19 +102,37 @@ def test_an_array_changed_between_sends_arrives_changed(where, ctx, child):
 
 
 @pytest.mark.parametrize("kind", ["snapshot", "shared", "small"])
-def test_a_read_only_array_arrives_read_only_over_a_read_only_mapping(kind, ctx, child):
+def test_a_write_to_a_received_read_only_array_stays_in_its_process(kind, ctx, child):
+    """NumPy's flag stays, but torch (and the int8 .base) can write a
+    read-only array: that write is the writer's alone, never a crash, never
+    seen by the sender or another receiver, nor (for a snapshot) by another
+    message over the same bytes. pandas 3's .to_numpy() arrays are such."""
     sent = model(BIG if kind != "small" else 40_000)
     if kind == "shared":
         sent = torchshm.share(sent)
     sent.flags.writeable = False
-    c = child(ctx, kids.describe_each)
-    c.send(sent)
-    seen = c.receive()
-    c.send(None)
-    assert c.close() == 0
+    writer = child(ctx, kids.write_read_only)
+    writer.send(sent)
+    seen, written = writer.receive(), writer.receive()
     assert not seen["writeable"] and seen["segment"] is not None
-    assert seen["mapping"][:2] == "r-", seen  # no write permission at all
     assert seen["head"] == [0, 1, 2, 3]
+    assert written["head"] == [100, 0, 2, 3]  # its torch and .base writes
+    assert not written["writeable"]
+    other = child(ctx, kids.describe_each)
+    other.send(sent)
+    assert other.receive()["head"] == [0, 1, 2, 3]
+    other.send(None)
+    assert other.close() == 0
+    assert sent[:4].tolist() == [0, 1, 2, 3]
+    writer.send(sent)  # again, to the writer, while it holds the first
+    again = writer.receive()
+    assert not again["writeable"]
+    assert (again["segment"] == seen["segment"]) == (kind != "small")  # packed anew
+    # A snapshot's messages are apart; one process's read-only arrays of
+    # shared memory lie over one mapping: that process's view of it.
+    assert again["head"] == ([100, 0, 2, 3] if kind == "shared" else [0, 1, 2, 3])
+    writer.send(None)
+    assert writer.close() == 0
 
 
 def test_writable_arrays_map_privately_for_snapshots_and_shared_for_share(ctx, child):

@@ -305,3 +305,37 @@ def test_a_pickle_to_a_file_stays_by_value(switch_on):
     tensor = torch.arange(10.0)
     assert torch.equal(pickle.loads(pickle.dumps(tensor)), tensor)
     assert not in_segment(tensor)
+
+
+@pytest.mark.parametrize("switch", [False, True])
+@pytest.mark.parametrize("forwarder_writes", [True, False])
+def test_a_received_arrays_base_sent_on_carries_its_bytes_and_no_one_elses(
+    ctx, child, switch, forwarder_writes
+):
+    """The int8 tensor under a received array (its .base) sent on is no
+    window into the snapshot: the next receiver gets the forwarder's bytes
+    (its writes included), and its own writes reach nobody who holds that
+    snapshot, nor the forwarder (Note [Tensor storages] in csrc/tensors.h)."""
+    torchshm.register(tensors=switch)
+    sent = np.full(1 << 20, 7, dtype=np.uint8)
+    holder = child(ctx, tc.forward_base, switch, None)  # never writes
+    holder.send(sent)
+    holder.receive()
+    forwarder = child(ctx, tc.forward_base, switch, 111 if forwarder_writes else None)
+    forwarder.send(sent)
+    base, at = forwarder.receive()
+    expected = 111 if forwarder_writes else 7
+    assert int(base[at]) == expected
+    assert torchshm.is_shared(base.numpy())  # by reference, or a new snapshot
+    writer = child(ctx, tc.write_received_tensor, switch)
+    writer.send((base, at, 55))
+    assert writer.receive() == (expected, 55)
+    assert int(base[at]) == expected  # the writer's write is its own
+    holder.send("go")
+    assert holder.receive() == 7  # the snapshot it holds never changed
+    forwarder.send("go")
+    assert forwarder.receive() == expected
+    writer.send("go")
+    assert sent[0] == 7
+    for c in (holder, forwarder, writer):
+        assert c.close() == 0

@@ -44,6 +44,12 @@ COUNTERS = (
     # A new segment met a cap (memory, fds, the session table) and the pool
     # released its idle segments so that it fits (Note in segments.py).
     "pool_gave_way",
+    # A storage over pages of a snapshot this process wrote, sent as a new
+    # snapshot (Note [Tensor storages] in csrc/tensors.h).
+    "storages_copied",
+    # Segments a forked child could not be given a hold on: kept until the
+    # session ends instead (Note [Fork] in _lifetime/lifecycle.py).
+    "segments_pinned_at_fork",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
     raise ImportError(
@@ -78,8 +84,9 @@ def stats() -> Dict[str, Any]:
     ``segments_attached``, ``segments_reused``, ``mappings_reused``,
     ``private_mappings_walked``, ``tickets_unavailable``,
     ``allocations_shared`` and ``allocations_fallback`` (`allocating`),
-    ``storages_moved`` and ``storages_sent`` (torch tensors),
-    ``pool_gave_way``, ``fork_waits_timed_out``, and ``fallbacks``: a dict
+    ``storages_moved``, ``storages_sent`` and ``storages_copied`` (torch
+    tensors), ``pool_gave_way``, ``fork_waits_timed_out``,
+    ``segments_pinned_at_fork``, and ``fallbacks``: a dict
     {reason: count} of the times shared memory was not used (e.g.
     ``"out of memory"``).
 

@@ -5,7 +5,7 @@
 import os
 from multiprocessing import util
 
-from torchshm import _stats
+from torchshm import _fallback, _stats
 from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
@@ -20,6 +20,14 @@ from torchshm._native import _C
 # parent's pool could reuse a segment before the child claimed it. The child
 # adopts those slots. A child that execs loses the lock (close-on-exec), so
 # its slots name a dead process and are freed like any dead holder's.
+# When that cannot be done (the lock file cannot be made: the fd limit, no
+# inode left in /dev/shm; every slot of a segment taken; any other error),
+# the segment goes unprotected no more: the parent pins it (never reused,
+# never rewound, closed when the session ends; Note [Segment lifetime] in
+# csrc/segment.h), with one warning, and the child reads it safely. Only a
+# fork this hook prepared lets the child inherit segment memory at all (Note
+# [Forks torchshm did not prepare] in csrc/fork_guard.h): a fork() from C
+# runs no hook, and its child cannot read what it inherited.
 _for_child = []
 
 
@@ -46,15 +54,52 @@ def _before_fork():
     _lock_with_timer_halted()
     try:
         _C.wait_threads_gone()
-        live = _holdings.live.owners()
-        if not live:
-            return
+    except Exception:  # noqa: BLE001 - fork must go on; it may warn
+        pass
+    live = _holdings.live.owners()
+    unprotected, why = _give_to_child(live)
+    for owner in unprotected:
+        _C.segment_of(owner).pin()
+    if unprotected:
+        _stats.add("segments_pinned_at_fork", len(unprotected))
+        _warn_pinned(len(unprotected), why)
+    _C.prepared_fork()  # the child may inherit segment memory now
+
+
+def _give_to_child(live):
+    """Takes a slot for the child in each live segment (Note [Fork]); the
+    owners it could not, and why."""
+    if not live:
+        return [], None
+    try:
         child = _C.prepare_child()
-        for owner in live:
+    except Exception as exc:  # noqa: BLE001 - any failure: pinned instead
+        return live, exc
+    unprotected, why = [], None
+    for owner in live:
+        try:
             slot = _C.segment_of(owner).take_slot(child)
-            if slot >= 0:
-                _for_child.append((owner, slot))
-    except Exception:  # noqa: BLE001 - fork must go on; the child just holds less
+        except Exception as exc:  # noqa: BLE001
+            slot, why = -1, exc
+        if slot >= 0:
+            _for_child.append((owner, slot))
+        else:
+            unprotected.append(owner)
+            why = why or "every holder slot of a segment is taken"
+    return unprotected, why
+
+
+def _warn_pinned(count, why):
+    try:
+        _fallback.warn_once(
+            ("fork", "pinned"),
+            f"torchshm: a forked child could not be given its own hold on"
+            f" {count} segment(s) it inherited ({why}); they are kept until the"
+            " session ends (never reused while the child may read them). If"
+            " this repeats, raise the fd limit (ulimit -n) or free /dev/shm",
+            stacklevel=3,
+        )
+    except Exception:  # noqa: BLE001 - warnings as errors must not stop fork
         pass
 
 

@@ -83,12 +83,18 @@ def segment_view(storage) -> Optional[torch.Tensor]:
 def reduce_storage(storage):
     """The ForkingPickler reducer of torch's untyped storage (see the
     module's docstring)."""
+    ours = False
     try:
         view = segment_view(storage)
-        if view is None:
+        ours = view is not None
+        if not ours:
             if not (_enabled and _movable(storage)):
                 return _torch_reduce(storage)
             view = _move(storage)
+        elif _C.storage_written(view):
+            # This process wrote pages of a snapshot it received (an array's
+            # .base): they are its own, not the segment's.
+            view = _snapshot(view)
         if _C.segment_of(view).unlinked:
             raise _C.SharedMemoryError(
                 errno.ENOENT,
@@ -99,7 +105,18 @@ def reduce_storage(storage):
         _fallback.fall_back(
             exc, "sharing a tensor's storage", "torch's own sharing carries it"
         )
-        return _torch_reduce(storage)
+        # torch's own sharing moves a storage into its memory in place: never
+        # one of torchshm's, which arrays may lie over (they would dangle).
+        return _torch_reduce(storage.clone() if ours else storage)
+
+
+def _snapshot(view):
+    """A new snapshot holding the bytes of the storage `view` lies over
+    (Note [Tensor storages] in csrc/tensors.h); that storage stays where it
+    is."""
+    owner = _segments.allocate(max(1, view.numel()), populate=False)
+    _C.snapshot_storage(view, owner, _config.copy_threads())
+    return owner
 
 
 def _movable(storage):

@@ -1,0 +1,47 @@
+// Which of this process's segment mappings a forked child inherits.
+//
+// Note [Forks torchshm did not prepare]
+// A forked child inherits a view of every segment its parent maps, but a
+// hold on none unless torchshm's fork hook gave it one (Note [Fork] in
+// torchshm/_lifetime/lifecycle.py): without it the parent reuses memory the
+// child still reads (its pool, a slab rewound, a sender's pool once the
+// parent let go), and the child reads the parent's later bytes. The hook
+// runs for os.fork() and multiprocessing; a fork() called from C (a C
+// library, ctypes) runs no Python hook. So every mapping of segment memory
+// (a segment's header and data, its private and read-only mappings) is made
+// MADV_DONTFORK: a child inherits none of it unless the forking thread's
+// hook prepared that fork (prepared_fork()); then, inside fork(), the
+// pthread_atfork handlers here let every mapping be inherited for that fork
+// alone, and mark them DONTFORK again on both sides. In the child of an
+// unprepared fork, reading inherited torchshm memory faults (SIGSEGV)
+// instead of reading what the parent writes later, and what those
+// mappings' addresses hold there is not this library's: nothing unmaps or
+// reads them (Segment::lost()). A child that execs, as nearly every fork
+// from C does, loses nothing.
+// Cost: one madvise per mapping made (a segment created or attached, a
+// private or read-only mapping), against the tens of microseconds a mapping
+// costs; per prepared fork, three madvise calls per mapping (the parent's
+// two, the child's one), beside the fork's own copy of the page tables.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace torchshm {
+
+// A new mapping of segment memory at [p, p + n): made DONTFORK, and
+// remembered until unmap_tracked.
+void track_mapping(void* p, size_t n);
+// Unmaps [p, p + n) if this process maps it: not if a fork that torchshm
+// did not prepare left it behind (the address may hold another mapping).
+void unmap_tracked(void* p, size_t n);
+// Called by the fork hook of the thread about to fork, once the child's
+// holds are taken: that fork's child inherits every mapping.
+void prepared_fork();
+// The fork hook in the parent after fork (or a fork that failed).
+void fork_done_in_parent();
+// Bumped in the child of an unprepared fork: a mapping made in an earlier
+// epoch is not in this process.
+uint64_t mapping_epoch();
+
+}  // namespace torchshm
