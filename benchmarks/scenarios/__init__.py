@@ -7,6 +7,7 @@ from benchmarks.scenarios import (
     born_cost,
     dataframe,
     dataloader,
+    dataloader_scale,
     dataloader_start,
     docker_shm,
     era5,
@@ -39,6 +40,7 @@ SCENARIOS = {
         model_workers,
         lifetime,
         born_cost,
+        dataloader_scale,
     )
 }
 # "core" is issue 2's benchmark: the 400 MB send and the per-item cost.
