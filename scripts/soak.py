@@ -13,7 +13,14 @@ duplex Pipe, SimpleQueue or Queue) and 1-3 receivers each reading one or
 more channels in a thread per channel, and a schedule of faults: senders
 SIGKILLed after they sent something, senders and receivers stopped for up to
 two seconds, the keeper SIGKILLed or stopped, sometimes one receiver
-SIGKILLed. Each round runs in a driver process (`--driver`) that imports
+SIGKILLed. In some rounds a receiver also forks an inspector now and then,
+at times with every fd number taken (so that the fork's hook cannot give it
+its holds), while holding messages, and hands it the message it just read
+as the int8 tensors under its arrays (or the received tensors themselves),
+after writing a mark into half of them: the inspector checks every byte of
+what it was handed (the receiver's bytes, mark included) and, once the
+receiver has moved on and its memory may be reused, of what it inherited.
+Each round runs in a driver process (`--driver`) that imports
 torchshm and so founds a session of its own; this top-level process never
 imports torchshm, so that once the drivers are gone nothing of the soak
 should remain.
@@ -281,6 +288,98 @@ def sender(cfg, s, channel, shared):
         os._exit(0)
 
 
+def mark(arrays):
+    """What a forwarding receiver writes into a message it hands on: its first
+    element inverted (a tensor's through its NumPy view)."""
+    first = arrays[0].numpy() if hasattr(arrays[0], "numpy") else arrays[0]
+    first[0] = ~first[0]
+
+
+def forwarded(message, written):
+    """A received message as a receiver hands it to its inspector: tensors as
+    they are, arrays as the int8 tensor under each (its .base) with where the
+    array lies in it."""
+    s, seq, spec, arrays = message
+    if hasattr(arrays[0], "numpy"):
+        return s, seq, spec, written, arrays
+    views = []
+    for a in arrays:
+        at = a.__array_interface__["data"][0] - a.base.data_ptr()
+        views.append((a.base, at, a.dtype.str, a.shape, a.strides))
+    return s, seq, spec, written, views
+
+
+def inspect(conn, held, shared):
+    """The forked inspector: checks what it is handed, then (after its
+    receiver moved on) what it inherited; marks what is wrong CORRUPT_LATER."""
+    s, seq, spec, written, parts = conn.recv()
+    if not hasattr(parts[0], "numpy"):
+        parts = [
+            np.ndarray(shape, dtype, buffer=base.numpy(), offset=at, strides=strides)
+            for base, at, dtype, shape, strides in parts
+        ]
+    expected = list(make_arrays(s, seq, spec))
+    if written:
+        expected[0] = expected[0].copy()
+        mark(expected)
+    got = [x.numpy() if hasattr(x, "numpy") else x for x in parts]
+    if not all(np.array_equal(g, e) for g, e in zip(got, expected)):
+        shared.status[s * MAX_MESSAGES + seq] = CORRUPT_LATER
+    time.sleep(0.2)
+    for s, seq, spec, arrays in held:
+        if not verify(s, seq, spec, arrays):
+            shared.status[s * MAX_MESSAGES + seq] = CORRUPT_LATER
+
+
+def fork_inspector(cfg, message, held, shared, rng):
+    """Forks an inspector holding `held`, at times with no fd number left
+    (its holds pinned, not given), and hands it `message`, written into
+    first or not (then it is no longer held here: its check would fail).
+    Returns (its pid, whether `message` was written), or (None, False) if
+    the message cannot be handed on."""
+    import multiprocessing as mp
+
+    s, seq, spec, arrays = message
+    if not hasattr(arrays[0], "numpy") and not all(
+        hasattr(a.base, "data_ptr") for a in arrays
+    ):
+        return None, False  # pickled by value: no tensor under it
+    written = rng.random() < 0.5
+    if written:
+        held = [m for m in held if m is not message]
+        mark(arrays)
+    reader, writer = mp.Pipe(duplex=False)
+    # Only under a low soft limit: filling a default one could take millions.
+    ballast = fill_fds() if cfg["receiver_nofile"] and rng.random() < 0.5 else []
+    try:
+        pid = os.fork()
+    finally:
+        for fd in ballast:
+            os.close(fd)
+    if pid == 0:
+        status = 1
+        try:
+            writer.close()
+            inspect(reader, held, shared)
+            status = 0
+        finally:
+            os._exit(status)
+    reader.close()
+    writer.send(forwarded(message, written))
+    writer.close()
+    return pid, written
+
+
+def fill_fds():
+    """Fds of /dev/null until every fd number below the soft limit is taken."""
+    made = []
+    while True:
+        try:
+            made.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            return made
+
+
 def receiver(cfg, r, channels, shared, result_path):
     _limit_fds(cfg["receiver_nofile"])
     import torchshm  # noqa: F401
@@ -289,6 +388,7 @@ def receiver(cfg, r, channels, shared, result_path):
     window = rng.choice([0, 2, 8, 32])
     lock = threading.Lock()
     held = []
+    inspectors = []  # forked inspectors' pids (reaped at the end)
     errors = []  # anything a soak message should never meet
     failures = []  # messages that arrived but did not load
     last_seen = {s: time.monotonic() for s, _ in channels}
@@ -348,6 +448,13 @@ def receiver(cfg, r, channels, shared, result_path):
                     held.append(message)
                     if len(held) > window:
                         check_again(held.pop(rng.randrange(len(held))))
+            if cfg["inspect_every"] and seq % cfg["inspect_every"] == 0:
+                with lock:
+                    pid, written = fork_inspector(cfg, message, list(held), shared, rng)
+                    if written:  # its check here would fail
+                        held[:] = [m for m in held if m is not message]
+                if pid is not None:
+                    inspectors.append(pid)
             del message, arrays
 
     for s, channel in channels:
@@ -387,6 +494,10 @@ def receiver(cfg, r, channels, shared, result_path):
         for item in held:
             check_again(item)
         held.clear()
+    for pid in inspectors:
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            errors.append(f"an inspector ended with status {status:#x}")
     with open(result_path, "w") as f:
         json.dump({"hang": hang, "errors": errors[:20], "failures": failures[:20]}, f)
 
@@ -812,6 +923,8 @@ def round_config(rng, index, send_seconds, hang_seconds):
         # Senders make their arrays with the allocator on (min_bytes 1,
         # threshold 0): small ones are slab blocks, sent by reference.
         "born": rng.random() < 0.5,
+        # Receivers fork an inspector every so many messages (0: never).
+        "inspect_every": rng.choice((0, 8, 32)),
     }
 
 
@@ -826,6 +939,8 @@ def describe(cfg):
     what = "tensors" if cfg["tensors"] else "arrays"
     if cfg["born"]:
         what += " born shared"
+    if cfg["inspect_every"]:
+        what += f", an inspector forked every {cfg['inspect_every']}"
     return (
         f"{cfg['method']}, {what}, pool {pool}{idle}, nofile {nofile}, "
         f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "
