@@ -61,6 +61,11 @@ void refresh_pid() { cached_pid.store(::getpid(), std::memory_order_relaxed); }
 
 void write_owner(int fd, pid_t pid);
 
+// An open() that failed with this says nothing about the file.
+bool cannot_tell(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOMEM || err == EINTR;
+}
+
 // Creates and locks a fresh lock file. It is created under a temporary name
 // and renamed once locked: a sweeper that sees the final name unlocked may
 // rightly delete it as dead.
@@ -160,6 +165,8 @@ bool holder_alive(uint64_t holder) {
     alive = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
             st.st_uid == ::geteuid() && ::flock(fd, LOCK_SH | LOCK_NB) != 0;
     ::close(fd);
+  } else if (cannot_tell(errno)) {
+    return true;  // this process is short of fds or memory, not the holder
   }
   std::lock_guard<std::mutex> guard(mutex);
   if (alive) {

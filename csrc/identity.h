@@ -45,7 +45,10 @@ void set_lock_session(const std::string& session);
 // judges them), a process is alive while its lock is held. An alive answer
 // stands for a few milliseconds (Note [Alive answers are remembered briefly]
 // in identity.cpp): callers must treat "alive" as the answer that keeps
-// memory. Thread-safe.
+// memory. A lock file this process cannot open for want of fds or memory
+// (EMFILE, ENFILE, ENOMEM, EINTR) tells nothing: "alive", not remembered (a
+// process at its fd limit once judged every other holder dead, for good,
+// and let its segments be reused under them). Thread-safe.
 bool holder_alive(uint64_t holder);
 
 // Fork support (Note [Fork] in torchshm/_lifetime/lifecycle.py). Before fork

@@ -12,6 +12,8 @@ import torch
 import torchshm
 from torchshm import _C
 
+TIMEOUT = 120  # longer than the tests' own: the parent fails first
+
 
 def load_and_hold(data, outbox, release):
     """Loads message bytes, reports what it sees, and holds the result until
@@ -161,3 +163,9 @@ def send_then_wait(conn, nbytes, value, ready):
     conn.send(np.full(nbytes // 8, float(value)))
     ready.put("sent")
     time.sleep(120)
+
+
+def report_id_and_wait(inbox, outbox):
+    """Says its torchshm process id (whose lock file says it lives) and waits."""
+    outbox.put(_C.process_id())
+    inbox.get(timeout=TIMEOUT)

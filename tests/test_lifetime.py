@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 import torchshm
-from tests import lifetime_children
+from tests import children, fork_children, lifetime_children
 from tests.conftest import TIMEOUT
 from torchshm import _C, _fallback
 from torchshm._lifetime import holdings as _holdings
@@ -453,6 +454,83 @@ def test_a_keeper_that_cannot_see_a_processs_fds_judges_nothing_by_them():
     pipes_unknown, maybe_in_session = json.loads(run.stdout)
     assert pipes_unknown, "a ticket on its pipe would be judged dead"
     assert maybe_in_session, "the keeper would stop lingering for it"
+
+
+def test_a_process_out_of_fds_never_takes_a_live_holder_for_dead(ctx, child):
+    """A lock file that cannot be opened for want of fds tells nothing
+    (csrc/identity.h). It was read as "dead", for good: a receiver that let
+    go of an array at its fd limit freed the slots of live holders, and the
+    sender's pool reused their memory under them (scripts/soak.py, receivers
+    that fork inspectors with every fd taken)."""
+    other = child(ctx, lifetime_children.report_id_and_wait)
+    holder = other.receive()
+    time.sleep(0.05)  # past the brief memory of "alive" answers
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, limit[1]))
+    ballast = fork_children.fill_fds()
+    try:
+        at_the_limit = _C.holder_alive(holder)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+        for fd in ballast:
+            os.close(fd)
+    time.sleep(0.05)
+    assert at_the_limit and _C.holder_alive(holder)
+    other.send(None)
+    assert other.close() == 0
+    assert not _C.holder_alive(holder)
+
+
+def test_a_view_dying_in_a_thread_the_lock_holder_awaits_never_hangs(ctx, child):
+    """The callback of a received segment's last view (attach.py,
+    _on_last_view) runs in whatever thread let go of it. Run in a thread
+    that the holder of torchshm's lock waits for (Thread.start() of the
+    expiry timer, under the lock), it waited for the lock: both hung
+    (scripts/soak.py, a receiver of two channels)."""
+    sender = child(ctx, children.echo)
+    sender.send(np.ones(1 << 17))
+    received = [sender.receive()]
+    finished = threading.Event()
+
+    def let_go():
+        received.clear()  # the last view: its callback runs here
+        gc.collect()
+        finished.set()
+
+    with _holdings.lock:
+        thread = threading.Thread(target=let_go)
+        thread.start()
+        assert finished.wait(TIMEOUT / 4), "the callback waited for the lock"
+    thread.join()
+    sender.send(None)
+
+
+def test_the_keepers_judgments_out_of_fds_keep_memory():
+    """The keeper holds an fd per segment: at its fd limit, a holder, a
+    session's members and the pipes of this user cannot be known, and each
+    answer is the one that keeps memory."""
+    code = (
+        "import os, resource, sys\n"
+        "from torchshm._lifetime.keeper import paths, procfs\n"
+        "from tests.fork_children import fill_fds\n"
+        "holder, session = int(sys.argv[1]), sys.argv[2]\n"
+        "before = paths.process_alive(holder)\n"
+        "top = max(int(fd) for fd in os.listdir('/proc/self/fd'))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, top + 1))\n"
+        "fill_fds()\n"
+        "print(before, [paths.process_alive(holder), procfs.open_pipes(),"
+        " procfs.session_in_environment(session)])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(_C.process_id()), "f00d" + "0" * 8],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "True [True, None, True]"
 
 
 def test_the_keeper_survives_running_out_of_fds():

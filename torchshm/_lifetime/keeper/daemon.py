@@ -492,7 +492,10 @@ class Keeper:
             if name.startswith(f"{paths.PREFIX}session-"):
                 continue
             path = os.path.join(paths.run_dir(), name)
-            fd = paths.open_own_file(path)
+            try:
+                fd = paths.open_own_file(path)
+            except OSError:
+                return True  # cannot tell (out of fds): the session lives
             if fd is None:
                 continue
             try:

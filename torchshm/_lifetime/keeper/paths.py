@@ -106,12 +106,21 @@ def owned(st):
     return st.st_uid == os.geteuid()
 
 
+# An open() that failed with one of these says nothing about the file: this
+# process is short of fds or memory (csrc/identity.h, holder_alive).
+CANNOT_TELL = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR})
+
+
 def open_own_file(path, flags=os.O_RDONLY):
     """An fd of `path` if it is a regular file of this user, else None: never
-    through a link, never blocking on a FIFO someone planted."""
+    through a link, never blocking on a FIFO someone planted. Raises OSError
+    (an errno of CANNOT_TELL) where the open failed for want of fds or
+    memory."""
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in CANNOT_TELL:
+            raise
         return None
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode) and owned(st):
@@ -122,8 +131,13 @@ def open_own_file(path, flags=os.O_RDONLY):
 
 def lock_held(path):
     """Whether someone holds the exclusive flock of a lock file of this user
-    (a missing or foreign file: nobody; see csrc/identity.h)."""
-    fd = open_own_file(path)
+    (a missing or foreign file: nobody; see csrc/identity.h). Where this
+    process cannot open it (out of fds: the keeper holds one per segment),
+    held: the answer that keeps memory."""
+    try:
+        fd = open_own_file(path)
+    except OSError:
+        return True
     if fd is None:
         return False
     try:
@@ -191,7 +205,10 @@ def sweep_orphans(own_session):
     now = time.time()
     for name in lock_files():
         path = os.path.join(run_dir(), name)
-        fd = open_own_file(path)
+        try:
+            fd = open_own_file(path)
+        except OSError:
+            continue  # cannot tell now: the next sweep looks again
         if fd is None:
             continue
         # A process lock is created under a temporary name, then locked, then

@@ -6,9 +6,9 @@ import errno
 import os
 
 if __package__:  # the library's (or the tests') module
-    from torchshm._lifetime.keeper.paths import ENV_VAR
+    from torchshm._lifetime.keeper.paths import CANNOT_TELL, ENV_VAR
 else:  # the keeper's: daemon.py put its directory on sys.path
-    from paths import ENV_VAR
+    from paths import CANNOT_TELL, ENV_VAR
 
 
 # What reading a process's /proc files fails with once it has exited: then it
@@ -19,14 +19,17 @@ GONE = (errno.ENOENT, errno.ESRCH)
 
 def processes_of_this_user():
     """(pid, whether its /proc entry can be read) of every process of this
-    user, or None without /proc. A process that made itself non-dumpable has a
+    user, or None without /proc (OSError where this process cannot list it:
+    out of fds or memory). A process that made itself non-dumpable has a
     /proc entry of root's before Linux 4.11 (its uid is read from its
     status); since 4.11 the entry stays its owner's, and only its fd/ and
     environ become root's: callers find that out as they read them (GONE)."""
     uid = os.geteuid()
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
+    except OSError as exc:
+        if exc.errno in CANNOT_TELL:  # out of fds: /proc is there
+            raise
         return None
     found = []
     for pid in pids:
@@ -60,7 +63,10 @@ def open_pipes(since=None):
     was made after the session began, and a process older than that holds
     such a pipe only if one was passed to it. Then no ticket is judged by its
     pipe."""
-    processes, found = processes_of_this_user(), set()
+    try:
+        processes, found = processes_of_this_user(), set()
+    except OSError:
+        return None  # out of fds: cannot be known now
     if processes is None:
         return None
     for pid, readable in processes:
@@ -97,7 +103,10 @@ def session_in_environment(session, since=None):
     torchshm and join). True for a process whose environment cannot be read
     (non-dumpable), unless it started before `since` (start_time()): a
     process older than the session cannot carry its id."""
-    processes = processes_of_this_user()
+    try:
+        processes = processes_of_this_user()
+    except OSError:
+        return True  # out of fds: any process may have started with it
     if processes is None:
         return False  # no /proc: only lock files and members tell
     wanted, me = f"{ENV_VAR}={session}".encode(), os.getpid()
