@@ -220,7 +220,14 @@ def _on_last_view(name, segment, slot):
         # pointless.
         if _holdings.exiting or sys.is_finalizing():
             return
-        with _holdings.lock:
+        # Never waits for the lock: this runs in whatever thread let go of
+        # the last view (a garbage collection anywhere), and that may be a
+        # thread whose start the lock's holder awaits (Thread.start() in
+        # _expiry.ensure, under the lock): waiting hung both. Without the
+        # lock the mapping is not cached, only unmapped with its view.
+        if not _holdings.lock.acquire(blocking=False):
+            return
+        try:
             _holdings.live.forget_if_dead(name)
             if (
                 not segment.unlinked
@@ -229,5 +236,7 @@ def _on_last_view(name, segment, slot):
             ):
                 _mappings.keep(name, segment, _config.mapping_cache_bytes())
                 _expiry.timer.ensure()
+        finally:
+            _holdings.lock.release()
 
     return keep
