@@ -73,6 +73,7 @@ or left over, or a process raised.
 
 import argparse
 import errno
+import faulthandler
 import json
 import os
 import random
@@ -85,6 +86,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -100,7 +102,15 @@ SHMEM_TOLERANCE_MIB = 64
 
 # Per-message status, written by the receiver that read it.
 UNSEEN, OK, CORRUPT, FAILED, CORRUPT_LATER = 0, 1, 2, 3, 4
-RECEIVED = (OK, CORRUPT, CORRUPT_LATER)
+# Found by a forked inspector: in what it was handed, or what it inherited.
+CORRUPT_HANDED, CORRUPT_INHERITED = 5, 6
+RECEIVED = (OK, CORRUPT, CORRUPT_LATER, CORRUPT_HANDED, CORRUPT_INHERITED)
+WHEN_CORRUPTED = {
+    CORRUPT: "on arrival",
+    CORRUPT_LATER: "held, later",
+    CORRUPT_HANDED: "handed to an inspector",
+    CORRUPT_INHERITED: "inherited by an inspector",
+}
 
 
 # ------------------------------------------------------------- messages
@@ -150,14 +160,40 @@ def verify(sender, seq, spec, arrays):
         expected = make_arrays(sender, seq, spec)
         # Tensors (the tensor switch) are checked through NumPy views.
         arrays = [x.numpy() if hasattr(x, "numpy") else x for x in arrays]
-        return len(arrays) == len(expected) and all(
+        good = len(arrays) == len(expected) and all(
             got.dtype == want.dtype
             and got.shape == want.shape
             and np.array_equal(got, want)
             for got, want in zip(arrays, expected)
         )
+        if not good:
+            print(
+                f"pid {os.getpid()}: s{sender}#{seq} differs:"
+                f" {difference(arrays, expected)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return good
     except Exception:  # a malformed message is a corrupted one
         return False
+
+
+def difference(arrays, expected):
+    """How a message's arrays differ from what was sent (for the log)."""
+    parts = []
+    for i, (got, want) in enumerate(zip(arrays, expected)):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            parts.append(f"[{i}] {got.dtype}{got.shape} for {want.dtype}{want.shape}")
+            continue
+        wrong = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+        if len(wrong):
+            first = got.reshape(-1)[wrong[0]]
+            parts.append(
+                f"[{i}] {len(wrong)} of {want.size} wrong, first at {wrong[0]}:"
+                f" {first!r} for {want.reshape(-1)[wrong[0]]!r}"
+                f" (base {type(got.base).__name__})"
+            )
+    return "; ".join(parts) or f"{len(arrays)} arrays for {len(expected)}"
 
 
 # ------------------------------------------------------------- channels
@@ -311,7 +347,7 @@ def forwarded(message, written):
 
 def inspect(conn, held, shared):
     """The forked inspector: checks what it is handed, then (after its
-    receiver moved on) what it inherited; marks what is wrong CORRUPT_LATER."""
+    receiver moved on) what it inherited; marks what is wrong."""
     s, seq, spec, written, parts = conn.recv()
     if not hasattr(parts[0], "numpy"):
         parts = [
@@ -324,11 +360,11 @@ def inspect(conn, held, shared):
         mark(expected)
     got = [x.numpy() if hasattr(x, "numpy") else x for x in parts]
     if not all(np.array_equal(g, e) for g, e in zip(got, expected)):
-        shared.status[s * MAX_MESSAGES + seq] = CORRUPT_LATER
+        shared.status[s * MAX_MESSAGES + seq] = CORRUPT_HANDED
     time.sleep(0.2)
     for s, seq, spec, arrays in held:
         if not verify(s, seq, spec, arrays):
-            shared.status[s * MAX_MESSAGES + seq] = CORRUPT_LATER
+            shared.status[s * MAX_MESSAGES + seq] = CORRUPT_INHERITED
 
 
 def fork_inspector(cfg, message, held, shared, rng):
@@ -362,6 +398,8 @@ def fork_inspector(cfg, message, held, shared, rng):
             writer.close()
             inspect(reader, held, shared)
             status = 0
+        except BaseException:
+            traceback.print_exc()  # into the round's log
         finally:
             os._exit(status)
     reader.close()
@@ -384,6 +422,7 @@ def receiver(cfg, r, channels, shared, result_path):
     _limit_fds(cfg["receiver_nofile"])
     import torchshm  # noqa: F401
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # forks inherit it
     rng = random.Random(f"{cfg['seed']}/receiver/{r}")
     window = rng.choice([0, 2, 8, 32])
     lock = threading.Lock()
@@ -443,18 +482,21 @@ def receiver(cfg, r, channels, shared, result_path):
                 shared.status[index] = OK if good else CORRUPT
             expect = seq + 1
             last_seen[s] = now
-            if window:
-                with lock:
+            # One lock for both: another channel's thread must not fork an
+            # inspector that inherits this message before it is written into
+            # (born memory and tensors are shared: the inspector would see
+            # the write).
+            with lock:
+                if window:
                     held.append(message)
                     if len(held) > window:
                         check_again(held.pop(rng.randrange(len(held))))
-            if cfg["inspect_every"] and seq % cfg["inspect_every"] == 0:
-                with lock:
+                if cfg["inspect_every"] and seq % cfg["inspect_every"] == 0:
                     pid, written = fork_inspector(cfg, message, list(held), shared, rng)
                     if written:  # its check here would fail
                         held[:] = [m for m in held if m is not message]
-                if pid is not None:
-                    inspectors.append(pid)
+                    if pid is not None:
+                        inspectors.append(pid)
             del message, arrays
 
     for s, channel in channels:
@@ -490,6 +532,14 @@ def receiver(cfg, r, channels, shared, result_path):
         if done or hang:
             break
         time.sleep(0.05)
+    if hang:  # where this receiver and its inspectors are, into the log
+        for pid in inspectors:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        faulthandler.dump_traceback(all_threads=True)
+        time.sleep(1)
     with lock:
         for item in held:
             check_again(item)
@@ -844,6 +894,7 @@ def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
         lost_with_receiver=0,
         unconfirmed=0,
         lost_live_samples=[],
+        corrupted_samples=[],
     )
 
     def every_holder_died(s, seq):
@@ -871,6 +922,12 @@ def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
             if status in RECEIVED:
                 c["received"] += 1
                 c["corrupted"] += status != OK
+                if status != OK and len(c["corrupted_samples"]) < 10:
+                    c["corrupted_samples"].append(
+                        f"corrupted: s{s}#{seq} ({cfg['kinds'][s]}, "
+                        f"{WHEN_CORRUPTED[status]}"
+                        f"{', sender killed' if s in killed_senders else ''})"
+                    )
             elif status == UNSEEN and receiver_killed:
                 c["lost_dead"] += 1
                 c["lost_with_receiver"] += 1
@@ -1080,6 +1137,19 @@ def shmem_kib():
     return 0
 
 
+def override(cfg, setting):
+    """--set KEY=VALUE: KEY a round's setting (faults.NAME for a fault),
+    VALUE JSON (a round repeated with one thing changed)."""
+    key, _, value = setting.partition("=")
+    *path, last = key.split(".")
+    target = cfg
+    for part in path:
+        target = target[part]
+    if last not in target:
+        raise SystemExit(f"soak: --set {key}: no such setting")
+    target[last] = json.loads(value)
+
+
 def soak(args):
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     rng = random.Random(seed)
@@ -1111,6 +1181,8 @@ def soak(args):
         left = end - time.monotonic()
         send_seconds = round(min(rng.uniform(6, 15), max(3.0, left - 5)), 1)
         cfg = round_config(rng, index, send_seconds, args.hang_seconds)
+        for setting in args.set:
+            override(cfg, setting)
         if args.only_round is not None and index != args.only_round:
             index += 1  # drawn, to keep the seed's sequence, but not run
             if index > args.only_round:
@@ -1144,7 +1216,8 @@ def soak(args):
             flush=True,
         )
         problems = (
-            result.get("lost_live_samples", [])
+            result.get("corrupted_samples", [])
+            + result.get("lost_live_samples", [])
             + result["hang_details"]
             + result["errors"]
             + result.get("load_failures", [])
@@ -1238,6 +1311,14 @@ def main():
         "--keep-leftovers",
         action="store_true",
         help="leave leftover keepers and processes running, to look at them",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a setting of every round run, e.g. faults.keeper_kill=0"
+        " or receiver_nofile=null (VALUE is JSON)",
     )
     parser.add_argument("--driver", help=argparse.SUPPRESS)
     args = parser.parse_args()
