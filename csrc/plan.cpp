@@ -209,7 +209,7 @@ Placement Plan::copy_view(PyArrayObject* array,
     start = near_start;
   }
   const int64_t n = hi - lo;
-  const bool remembered = n >= policy.pack_limit && !sharing;
+  const bool remembered = !sharing;
   if (remembered) {
     auto [owner, at] =
         snapshots().reuse(key, start + lo, start + hi, policy.copy_threads);

@@ -16,19 +16,24 @@ namespace torchshm {
 // Note [Resending an unchanged array]
 // Each message snapshots the arrays it sends (Note [One message, one
 // snapshot] in message.h): 4 tasks that take one 1 GiB model made 4 copies.
-// For a copy with a segment of its own (at least pack_limit bytes) the plan
+// For every copy (a segment of its own, or a place in the message's chunk:
+// a model of many small layers is as common as one large one) the plan
 // remembers here, per buffer (its root object, weakly: an object that cannot
 // be weakly referenced is not remembered), the bytes it copied and where:
-// the segment (weakly) and its generation. When a later message copies the
-// same bytes of the same buffer, and that segment is still alive in this
-// process with that generation, the array is compared with the snapshot
+// the segment (weakly), the offset and its generation. When a later message
+// copies the same bytes of the same buffer, and that segment is still alive in
+// this process with that generation, the array is compared with the snapshot
 // (memcmp by up to copy_threads threads, at memory speed: cheaper than
 // writing fresh pages); if equal, the message names the snapshot again.
 // Equal bytes are exactly what a new copy would hold, and nothing writes a
 // snapshot while its generation lasts (receivers map it privately: Note
 // [Snapshots are mapped privately] in segment.h), so no receiver can tell.
 // Nothing here keeps memory: once no message, receiver or pool holds the
-// snapshot, it goes as before, and the next send copies. share() never
+// snapshot, it goes as before, and the next send copies. A chunk holds the
+// copies of several arrays: a resend of one of them keeps the whole chunk,
+// as any receiver of that message does. Cost for arrays that are never sent
+// again (a DataLoader's fresh batches): a weak reference and a table entry
+// per copy, dropped with the array. share() never
 // reuses a snapshot (its copy must be shared memory). Two threads that copy
 // the same array at the same time (two Queues' feeder threads) each make a
 // copy: the entry is written once a copy is done; an executor's or a Pool's

@@ -136,21 +136,23 @@ def test_steady_sends_take_pooled_segments_without_calling_allocate(monkeypatch)
 
 
 def test_bookkeeping_that_is_due_goes_through_python(monkeypatch):
-    a = np.arange(100_000.0)
-    ForkingPickler.loads(ForkingPickler.dumps(a))
+    def a():  # a new array each time: a resent one names its snapshot again
+        return np.arange(100_000.0)
+
+    ForkingPickler.loads(ForkingPickler.dumps(a()))
     calls = []
     allocate = _segments.allocate
     monkeypatch.setattr(
         _segments, "allocate", lambda n, **kw: calls.append(n) or allocate(n, **kw)
     )
     _holdings.pool.schedule_thorough_scan()
-    ForkingPickler.loads(ForkingPickler.dumps(a))
+    ForkingPickler.loads(ForkingPickler.dumps(a()))
     assert len(calls) == 1  # the thorough pass ran in Python...
-    ForkingPickler.loads(ForkingPickler.dumps(a))
+    ForkingPickler.loads(ForkingPickler.dumps(a()))
     assert len(calls) == 1  # ...and re-armed the native take
     _holdings.pool.enable_fast_take(False)  # as a stopped timer does
     try:
-        ForkingPickler.loads(ForkingPickler.dumps(a))
+        ForkingPickler.loads(ForkingPickler.dumps(a()))
         assert len(calls) == 2
     finally:
         _holdings.pool.enable_fast_take(True)

@@ -73,7 +73,7 @@ def _init(method, model):
 
 def _hold(model, folder):
     """Sums the model, says so, and holds it until the driver has measured."""
-    total = float(_as_array(model).sum())
+    total = sum(float(layer.sum()) for layer in _layers(model))
     open(os.path.join(folder, str(os.getpid())), "w").close()
     release = os.path.join(folder, "release")
     while not os.path.exists(release):
@@ -83,6 +83,13 @@ def _hold(model, folder):
 
 def _held(folder):
     return _hold(_MODEL, folder)
+
+
+def _layers(model):
+    """The model's arrays: one, or a list of layers."""
+    if isinstance(model, list):
+        return [_as_array(layer) for layer in model]
+    return [_as_array(model)]
 
 
 def _as_array(model):
@@ -169,16 +176,21 @@ def _start(method, workers):
     return pool, started, sum(_pss(p) for p in set(pids))
 
 
-def drive(method, nbytes, workers):
-    """One measurement: {wall, start, copies} (run in a fresh process)."""
+def drive(method, nbytes, workers, layers=1):
+    """One measurement: {wall, start, copies, bytes_copied} (run in a fresh
+    process). With `layers` > 1 the model is a list of that many arrays."""
     import threading
 
     if method.startswith("torchshm"):
         import torchshm  # registers its reducers
     pool, started, idle_workers = _start(method, workers)
-    model = np.arange(nbytes // 8, dtype=np.float64)
-    expected = float(model.sum())
-    before = _pss(os.getpid()) - model.nbytes + idle_workers
+    if layers == 1:
+        model = np.arange(nbytes // 8, dtype=np.float64)
+    else:
+        n = nbytes // layers // 8
+        model = [np.arange(n, dtype=np.float64) + i for i in range(layers)]
+    expected = sum(float(layer.sum()) for layer in _layers(model))
+    before = _pss(os.getpid()) - nbytes + idle_workers
     folder = tempfile.mkdtemp(prefix="torchshm-bench-")
     results = []
     t0 = time.monotonic()
@@ -225,7 +237,13 @@ def drive(method, nbytes, workers):
     for shm in _SHM_KEEP:
         shm.close()
         shm.unlink()
-    return {"wall": wall, "start": started, "copies": (after - before) / nbytes}
+    copied = torchshm.stats()["bytes_copied"] if method.startswith("torchshm") else 0
+    return {
+        "wall": wall,
+        "start": started,
+        "copies": (after - before) / nbytes,
+        "bytes_copied": copied / nbytes,
+    }
 
 
 def _start_only(method, workers):
@@ -266,13 +284,14 @@ def available(method):
     return peers.enabled()
 
 
-def measure(method, nbytes, workers):
+def measure(method, nbytes, workers, layers=1):
     """Runs drive() in a fresh interpreter and returns its JSON."""
     # The file, not the module: importing the benchmarks package would import
     # torchshm (other scenarios do), and its reducers would then carry the
     # "pipe" and joblib rows too.
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), method, str(nbytes), str(workers)],
+        [sys.executable, os.path.abspath(__file__), method, str(nbytes)]
+        + [str(workers), str(layers)],
         capture_output=True,
         text=True,
         timeout=DRIVER_TIMEOUT,
@@ -288,36 +307,61 @@ def run(quick, bar):
     from benchmarks.report import Result
 
     nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 3)
+    # A model of many small layers beside the one large array: 64 of 4 MiB
+    # (quick: 16 of 1 MiB); the methods that share it without a peer.
+    layers, layer_bytes = (16, 1 << 20) if quick else (64, 4 << 20)
     methods = [m for m in METHODS if available(m)]
+    layered_methods = ["pipe", "torchshm", "torchshm_shared"]
     title = (
         f"14. A {nbytes >> 20} MiB float64 model to {workers} spawn workers,"
         " each sums it: wall until every sum"
     )
     result = Result(NAME, title, notes=[__doc__.split("\n\n")[1].replace("\n", " ")])
-    bar.reset(total=len(methods) * rounds)
-    samples = {m: [] for m in methods}
-    case = f"{nbytes >> 20} MiB to {workers}"
+    result.notes.append(
+        f"{layers} x {layer_bytes >> 20} MiB: the model is a list of {layers}"
+        " arrays. bytes copied: what the driver's torchshm copied, in model"
+        " sizes (the first task's snapshot is one)."
+    )
+    bar.reset(total=(len(methods) + len(layered_methods)) * rounds)
+    cases = [
+        (f"{nbytes >> 20} MiB to {workers}", nbytes, 1, methods),
+        (
+            f"{layers} x {layer_bytes >> 20} MiB to {workers}",
+            layers * layer_bytes,
+            layers,
+            layered_methods,
+        ),
+    ]
+    samples = {(case, m): [] for case, _, _, ms in cases for m in ms}
     for _ in range(rounds):  # one run per method per round, interleaved
-        for method in methods:
-            if (case, method) not in result.failures:
-                run = peers.attempt(
-                    result, case, method, lambda: measure(method, nbytes, workers)
-                )
-                if run is not None:
-                    samples[method].append(run)
-            bar.update()
+        for case, size, parts, case_methods in cases:
+            for method in case_methods:
+                if (case, method) not in result.failures:
+                    run = peers.attempt(
+                        result,
+                        case,
+                        method,
+                        lambda: measure(method, size, workers, parts),
+                    )
+                    if run is not None:
+                        samples[case, method].append(run)
+                bar.update()
     result.summary["copies"] = {}
-    for method in methods:
-        runs = samples[method]
-        if not runs:
-            continue
-        result.add(case, method, [r["wall"] for r in runs], warmup=0)
-        copies = statistics.median(r["copies"] for r in runs)
-        start = statistics.median(r["start"] for r in runs)
-        result.extra(case, f"{method}: copies", round(copies, 2))
-        result.extra(case, f"{method}: pool start s", round(start, 2))
-        result.summary["copies"][method] = copies
-    result.summary["samples"] = samples
+    for case, _, _, case_methods in cases:
+        for method in case_methods:
+            runs = samples[case, method]
+            if not runs:
+                continue
+            result.add(case, method, [r["wall"] for r in runs], warmup=0)
+            copies = statistics.median(r["copies"] for r in runs)
+            start = statistics.median(r["start"] for r in runs)
+            result.extra(case, f"{method}: copies", round(copies, 2))
+            result.extra(case, f"{method}: pool start s", round(start, 2))
+            if method.startswith("torchshm"):
+                copied = statistics.median(r["bytes_copied"] for r in runs)
+                result.extra(case, f"{method}: bytes copied", round(copied, 2))
+            result.summary["copies"][f"{case}: {method}"] = copies
+    result.summary["samples"] = {f"{c}: {m}": v for (c, m), v in samples.items()}
     peers.against_best(result)
     peers.note_versions(result, methods)
     return result
@@ -325,4 +369,4 @@ def run(quick, bar):
 
 if __name__ == "__main__":
     assert "torchshm" not in sys.modules
-    print(json.dumps(drive(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(drive(*sys.argv[1:2], *map(int, sys.argv[2:5]))))
