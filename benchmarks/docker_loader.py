@@ -18,6 +18,7 @@ its batches go through /dev/shm as SharedMemoryArrays.
 """
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -62,15 +63,19 @@ def stack_mixed(samples):
     }
 
 
-# method -> (collate_fn, workers register torchshm, samples, tensor switch);
+# method -> (collate_fn, workers register torchshm, samples, tensor switch:
+# None leaves it as the environment says, on unless TORCHSHM_TENSORS=0);
 # collate_fn None: torch's default_collate, which makes torch tensors.
 METHODS = {
     "torchshm_collate": (torchshm.collate, True, "numpy", False),
     "torchshm": (stack, True, "numpy", False),
     "torch": (None, False, "numpy", False),
     "torch_tensors": (None, True, "numpy", True),
+    "torch_default": (None, True, "numpy", None),
+    "torch_switch_off": (None, True, "numpy", False),
     "tensor_samples": (None, False, "tensor", False),
     "tensor_samples_tensors": (None, True, "tensor", True),
+    "tensor_samples_default": (None, True, "tensor", None),
     "pipe": (stack, False, "numpy", False),
     "mixed_torchshm": (stack_mixed, True, "mixed", False),
     "mixed_disabled": (stack_mixed, False, "mixed", False),
@@ -130,9 +135,12 @@ def run(method, samples, epochs, hold=False):
         return run_grain(samples, epochs, hold)
     collate, register, kind, tensors = METHODS[method]
     if not register:
-        torchshm.unregister()  # and spawn workers never import it
-    elif tensors:
-        torchshm.register(tensors=True)  # the workers inherit the switch
+        torchshm.unregister()
+        # The spawn workers import this module, and so torchshm: the
+        # environment they inherit keeps it from registering there.
+        os.environ["TORCHSHM_DISABLE"] = "1"
+    elif tensors is not None:
+        torchshm.register(tensors=tensors)  # the workers inherit the switch
     loader = torch.utils.data.DataLoader(
         Samples(samples, kind),
         batch_size=BATCH,

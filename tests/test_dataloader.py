@@ -6,6 +6,7 @@ import re
 import textwrap
 
 import numpy as np
+import torch
 import pandas as pd
 import pytest
 import xarray as xr
@@ -119,6 +120,21 @@ def test_collate_stacks_into_shared_memory_in_process():
         torchshm.collate(
             [s.assign_coords(time=s.time + i) for i, s in enumerate(shifted)]
         )
+
+
+def test_collate_stacks_tensors_as_the_default_collate_does_into_shared_memory():
+    samples = [torch.full((64, 64), float(i)) for i in range(4)]
+    batch = torchshm.collate(samples)
+    expected = torch.utils.data.default_collate(samples)
+    assert isinstance(batch, torch.Tensor) and batch.dtype == expected.dtype
+    assert torch.equal(batch, expected)
+    assert batch.is_shared() and torchshm.is_shared(batch.numpy())
+    nested = torchshm.collate([{"x": t, "y": np.arange(3)} for t in samples])
+    assert torch.equal(nested["x"], expected) and nested["y"].shape == (4, 3)
+    mixed = torchshm.collate([torch.ones(3, dtype=torch.int32), torch.ones(3)])
+    assert mixed.dtype == torch.float32  # promoted, as torch.stack does
+    with pytest.raises(ValueError, match="tensors of one shape"):
+        torchshm.collate([torch.zeros(3), torch.zeros(4)])
 
 
 def test_collate_below_the_threshold_uses_ordinary_memory():
@@ -254,6 +270,8 @@ SCRIPT = textwrap.dedent(
         kwargs = {}
         if mode == "worker_init_fn":
             kwargs["worker_init_fn"] = torchshm.chain(user_init)
+        elif mode == "user_init":
+            kwargs["worker_init_fn"] = user_init
         elif mode == "preload":
             multiprocessing.set_forkserver_preload(["torchshm"])
         loader = DataLoader(Frames(), batch_size=None, num_workers=2,
@@ -278,8 +296,11 @@ SCRIPT = textwrap.dedent(
         ("spawn", "worker_init_fn", True),
         ("forkserver", "worker_init_fn", True),
         ("forkserver", "preload", True),
-        # The control: without either, spawn workers send by value.
-        ("spawn", "plain", False),
+        # Without either: torchshm gives the workers its hook itself, also
+        # around the user's own (Note [Registration in workers]).
+        ("spawn", "plain", True),
+        ("spawn", "user_init", True),
+        ("forkserver", "user_init", True),
     ],
 )
 def test_workers_register_when_main_imports_torchshm_late(
@@ -289,7 +310,58 @@ def test_workers_register_when_main_imports_torchshm_late(
     assert len(samples) == 4
     for registered, init, shared in samples:
         assert registered is expected and shared is expected
-        assert (init is not None) == (mode == "worker_init_fn")
+        assert (init is not None) == (mode in ("worker_init_fn", "user_init"))
+
+
+# Where torchshm cannot help (a spawn Pool whose workers never import it),
+# the arrays come back by value, and the main process says so once; a
+# DataLoader in the same script registers its workers and says nothing.
+BY_VALUE_SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, sys, warnings
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+
+    def make(i):
+        return np.full(1 << 20, float(i))  # 8 MiB
+
+
+    def main():
+        import torchshm
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loader = DataLoader([make(i) for i in range(2)], batch_size=None,
+                                num_workers=2, multiprocessing_context="spawn",
+                                timeout=60, collate_fn=torchshm.convert)
+            from_loader = [torchshm.is_shared(a) for a in loader]
+            loader_warnings = [str(w.message) for w in seen]
+            with multiprocessing.get_context("spawn").Pool(2) as pool:
+                arrays = pool.map(make, range(4))
+        print(json.dumps({
+            "loader_shared": from_loader,
+            "loader_warnings": loader_warnings,
+            "pool_shared": [torchshm.is_shared(a) for a in arrays],
+            "pool_ok": [bool((a == i).all()) for i, a in enumerate(arrays)],
+            "warnings": [str(w.message) for w in seen
+                         if "pickled by value" in str(w.message)],
+        }))
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_arrays_that_arrive_by_value_are_named_once(tmp_path, no_leaks):
+    got = run_script(tmp_path, BY_VALUE_SCRIPT)
+    assert got["loader_shared"] == [True, True] and got["loader_warnings"] == []
+    assert got["pool_shared"] == [False] * 4 and all(got["pool_ok"])
+    (warning,) = got["warnings"]
+    assert "import torchshm at the top of the main module" in warning
+    assert "worker_init_fn=torchshm.worker_init_fn" in warning
 
 
 # Python 3.14 makes forkserver the default start method on Linux: a script

@@ -188,23 +188,29 @@ def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
-@pytest.mark.timeout(2 * LOADER_TEST_TIMEOUT)  # two loader runs
+@pytest.mark.timeout(3 * LOADER_TEST_TIMEOUT)  # three loader runs
 @pytest.mark.parametrize("samples", ["numpy", "tensor"])
-def test_the_default_collate_in_a_64_mib_dev_shm_needs_the_tensor_switch(samples):
+def test_the_default_collate_in_a_64_mib_dev_shm_completes_with_torchshm_imported(
+    samples,
+):
     # torch writes every batch of the default collate into /dev/shm. Held
     # together (48 samples: 6 batches of 16 MiB) they cannot fit 64 MiB;
-    # with the switch on they are made in torchshm's memfds. (Not held,
-    # whether torch's batches in flight overflow depends on the timing.)
-    torch_only, switch = {
-        "numpy": ("torch", "torch_tensors"),
-        "tensor": ("tensor_samples", "tensor_samples_tensors"),
+    # with torchshm imported (its tensor switch on by default) they are made
+    # in torchshm's memfds. (Not held, whether torch's batches in flight
+    # overflow depends on the timing.)
+    runs = {
+        "numpy": ("torch", "torch_default", "torch_switch_off"),
+        "tensor": ("tensor_samples", "tensor_samples_default", None),
     }[samples]
-    without = _loader_in_small_shm(torch_only, samples=48, hold=True)
-    assert not without["completed"] and without["batches"] < 2 * 48 // 8
-    with_switch = _loader_in_small_shm(switch, samples=48, hold=True)
-    assert with_switch["completed"], with_switch.get("error")
-    assert with_switch["batches"] == 2 * 48 // 8 and with_switch["bad"] == 0
-    assert with_switch["warnings"] == []
+    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_TENSORS"}
+    for method in (runs[0], runs[2]):
+        if method is not None:  # torch alone, and torchshm's switch off
+            without = _loader_in_small_shm(method, samples=48, env=env, hold=True)
+            assert not without["completed"] and without["batches"] < 2 * 48 // 8
+    default = _loader_in_small_shm(runs[1], samples=48, env=env, hold=True)
+    assert default["completed"], default.get("error")
+    assert default["batches"] == 2 * 48 // 8 and default["bad"] == 0
+    assert default["warnings"] == []
 
 
 @pytest.mark.skipif(NO_UNSHARE is not None, reason=str(NO_UNSHARE))
@@ -237,7 +243,7 @@ def test_the_doctor_names_the_tensor_switch_where_dev_shm_is_small(switch):
     assert run.returncode == 0, run.stderr
     text = " ".join(run.stdout.split())  # lines are wrapped
     assert "/dev/shm is 64.0 MiB" in text or "/dev/shm is 64 MiB" in text, text
-    assert "TORCHSHM_TENSORS=1" in text
+    assert "TORCHSHM_TENSORS=0" in text  # the way out of the default
     assert f"the tensor switch is {'on' if switch == '1' else 'off'} here" in text
 
 

@@ -4,6 +4,7 @@ real process boundaries)."""
 
 import errno
 import pickle
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -15,6 +16,7 @@ from numpy.lib.stride_tricks import as_strided
 import torchshm
 from tests import cases
 from tests.conftest import stats_delta
+from torchshm import _fallback
 
 
 def roundtrip(obj):
@@ -214,7 +216,6 @@ def test_which_failures_mean_fall_back_is_decided_by_errno():
     """Never by the error's text (torchshm._fallback): every SharedMemoryError
     is an expected failure, anything else a bug. A real limit that makes a
     send fall back is in test_limits.py."""
-    from torchshm import _fallback
 
     error = torchshm._C.SharedMemoryError
     assert _fallback.reason(error(errno.ENOMEM, "no words")) == ("out of memory", True)
@@ -230,7 +231,6 @@ def test_which_failures_mean_fall_back_is_decided_by_errno():
 
 
 def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
-    from torchshm import _fallback
     from torchshm._lifetime import segments as _segments
 
     def broken(nbytes, **_):
@@ -248,6 +248,26 @@ def test_an_unexpected_error_still_delivers_and_says_it_is_a_bug(monkeypatch):
     np.testing.assert_array_equal(received, a)
     delta = stats_delta(before)
     assert delta["fallbacks"] == {"internal error: RuntimeError": 1}
+
+
+def test_share_says_once_that_an_object_array_stays_ordinary(monkeypatch):
+    monkeypatch.setattr(_fallback, "_warned", set())
+    model = {"weights": np.arange(100_000.0), "tags": np.array([1, "a", None] * 10)}
+    with pytest.warns(RuntimeWarning, match="SharedList") as seen:
+        shared = torchshm.share(model)
+        torchshm.share(model)
+    assert len([w for w in seen if "object arrays" in str(w.message)]) == 1
+    assert torchshm.is_shared(shared["weights"])
+    assert not torchshm.is_shared(shared["tags"])
+    assert list(shared["tags"]) == list(model["tags"])
+
+
+def test_share_of_strings_and_numbers_is_silent(monkeypatch):
+    monkeypatch.setattr(_fallback, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared = torchshm.share({"x": np.arange(1000.0), "s": np.array(["a"] * 100)})
+    assert torchshm.is_shared(shared["x"])
 
 
 dtypes = st.sampled_from(list(cases.DTYPES.values()))

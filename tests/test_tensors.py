@@ -3,9 +3,12 @@ or register(tensors=True)): rebuilt as torch rebuilds them, aliased both
 ways, one storage per segment, torch's own path where torch keeps it, and
 the lifetimes arrays have (Note [Tensor storages] in csrc/tensors.h)."""
 
+import json
 import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -261,6 +264,39 @@ def test_the_switch_reads_the_environment(monkeypatch):
     monkeypatch.setenv("TORCHSHM_TENSORS", "maybe")
     with pytest.raises(ValueError, match="TORCHSHM_TENSORS"):
         torchshm.register()
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_import_alone_sends_tensors_through_torchshm_unless_turned_off(setting):
+    """Note [Tensors by default]: in a fresh interpreter with no setting, a
+    tensor and the default collate's batch go through torchshm's memory;
+    TORCHSHM_TENSORS=0 leaves them to torch."""
+    code = (
+        "import json, pickle, torch, torchshm\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "from torch.utils.data import default_collate\n"
+        "from tests import tensor_children as tc\n"
+        "t = torch.arange(100_000.0)\n"
+        "got = pickle.loads(ForkingPickler.dumps(t))\n"
+        "batch = torch.UntypedStorage._new_shared(1 << 20)\n"
+        "print(json.dumps([tc.segment_name(got) is not None, torch.equal(got, t),"
+        " tc.segment_name(torch.empty(0).set_(batch)) is not None]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_TENSORS"}
+    if setting is not None:
+        env["TORCHSHM_TENSORS"] = setting
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    through_torchshm, equal, batch_in_segment = json.loads(run.stdout)
+    assert equal
+    assert through_torchshm == batch_in_segment == (setting is None)
 
 
 # DataLoader: the default collate ----------------------------------------------

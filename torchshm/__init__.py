@@ -3,9 +3,9 @@
 `import torchshm` registers reducers with multiprocessing's ForkingPickler:
 every non-object ndarray of at least get_threshold() bytes that a Queue, Pipe,
 Pool or DataLoader sends travels through shared memory and is rebuilt on the
-receiving side without a copy. With TORCHSHM_TENSORS=1 (or
-register(tensors=True)), torch's CPU tensors go through the same memory
-instead of /dev/shm. Set TORCHSHM_DISABLE=1 to import without registering.
+receiving side without a copy, and torch's CPU tensors go through the same
+memory instead of /dev/shm (TORCHSHM_TENSORS=0, or register(tensors=False),
+leaves them to torch). Set TORCHSHM_DISABLE=1 to import without registering.
 """
 
 import torch  # noqa: F401  - loads libtorch before the extension

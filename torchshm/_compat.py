@@ -117,6 +117,20 @@ MESSAGE_WRITERS = (
 )
 
 
+def dataloader_get_iterator():
+    """The DataLoader method that starts its workers (iter() and, with
+    persistent workers, the first epoch)."""
+    import torch.utils.data
+
+    return torch.utils.data.DataLoader._get_iterator
+
+
+def set_dataloader_get_iterator(method):
+    import torch.utils.data
+
+    torch.utils.data.DataLoader._get_iterator = method
+
+
 def connection_send_bytes():
     """The method every multiprocessing write of a message ends in."""
     return connection.Connection._send_bytes

@@ -9,6 +9,14 @@ calling it registers again in case the import happened earlier with the
 reducers off. Under forkserver (Python 3.14's default on Linux) no hook is
 needed while the fork server has not started when torchshm registers: it
 joins the server's preload list (_registry._preload_in_forkserver).
+So that importing torchshm is enough, a DataLoader whose workers start by
+spawn or forkserver while torchshm is registered in its process runs them
+with chain(its worker_init_fn) for that iter() (_register_workers): its
+workers register without the user's help, and the user's function still
+runs. That is the DataLoader's own hook, used as the user would; a loader
+that overrides _get_iterator (torchdata's StatefulDataLoader) is left as it
+is, and torchshm warns there once (Note [Arrays that arrive by value] in
+_send/arrivals.py).
 A worker reads the settings (TORCHSHM_*) from the environment it inherited:
 under forkserver, the fork server's, as it was when the server started. So
 register(tensors=True) after the server started does not reach the workers;
@@ -23,15 +31,18 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 """
 
 import collections.abc
+import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
+import torch
 from torch.utils.data import IterDataPipe
 
-from torchshm import _config, _fallback
+from torchshm import _compat, _config, _fallback
 from torchshm._send import allocator as _allocator
 from torchshm._send import registry as _registry
+from torchshm._send import tensors as _tensors
 from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
 
@@ -229,6 +240,54 @@ class RegisterThenCall:
         return f"{self.wrapper}({self.fn!r}{allocate}{tensors})"
 
 
+def _register_workers(get_iterator):
+    """DataLoader._get_iterator that gives spawn and forkserver workers
+    torchshm's hook (Note [Registration in workers])."""
+
+    @functools.wraps(get_iterator)
+    def _get_iterator(self):
+        hook = self.worker_init_fn
+        if (
+            self.num_workers == 0
+            or isinstance(hook, RegisterThenCall)
+            or hook is worker_init_fn
+            or not _registry.is_registered()
+            or _start_method(self.multiprocessing_context) == "fork"
+        ):
+            return get_iterator(self)
+        self.worker_init_fn = RegisterThenCall(hook, "torchshm.chain")
+        try:
+            return get_iterator(self)
+        finally:
+            self.worker_init_fn = hook
+
+    _get_iterator.torchshm_original = get_iterator
+    return _get_iterator
+
+
+def _start_method(context):
+    """The start method of a DataLoader's multiprocessing_context (None:
+    torch.multiprocessing's default)."""
+    if context is None:
+        return torch.multiprocessing.get_start_method()
+    return context.get_start_method()
+
+
+def _install_worker_registration():
+    current = _compat.dataloader_get_iterator()
+    if not hasattr(current, "torchshm_original"):
+        _compat.set_dataloader_get_iterator(_register_workers(current))
+
+
+def _uninstall_worker_registration():
+    current = _compat.dataloader_get_iterator()
+    if hasattr(current, "torchshm_original"):
+        _compat.set_dataloader_get_iterator(current.torchshm_original)
+
+
+_registry.while_registered(_install_worker_registration, _uninstall_worker_registration)
+
+
 def _register_in_worker(tensors=None):
     # Not inside the caller's own `with torchshm.disabled()` (a hook or map
     # function run in the main process, num_workers=0).
@@ -286,9 +345,11 @@ def collate(batch: Sequence[Any]) -> Any:
     leading ``"batch"`` dimension: data variables are stacked, coordinates
     equal in every sample are kept once and differing ones are stacked
     (``xarray.concat`` with ``coords="different"``); dimension coordinates
-    must agree across samples. Python and NumPy scalars become 1-D arrays;
-    other objects (strings, DataFrames, object arrays) are returned as a
-    list. The first sample decides the structure.
+    must agree across samples. Torch tensors are stacked into one tensor as
+    ``default_collate`` stacks them, born in shared memory (`empty`) when
+    the batch is at least the threshold. Python and NumPy scalars become
+    1-D arrays; other objects (strings, DataFrames, object arrays) are
+    returned as a list. The first sample decides the structure.
 
     Parameters
     ----------
@@ -307,9 +368,9 @@ def collate(batch: Sequence[Any]) -> Any:
         `batch` is not a non-empty sequence (with ``batch_size=None`` use
         `convert`).
     ValueError
-        Arrays of different shapes, sequences of different lengths, or
-        mappings with different keys in one batch; xarray samples whose
-        dimension coordinates differ.
+        Arrays (or tensors) of different shapes, sequences of different
+        lengths, or mappings with different keys in one batch; xarray
+        samples whose dimension coordinates differ.
 
     See Also
     --------
@@ -341,6 +402,8 @@ def _plan(samples, jobs):
     first = samples[0]
     if isinstance(first, np.ndarray) and not first.dtype.hasobject:
         return _plan_stack(samples, jobs)
+    if isinstance(first, torch.Tensor):
+        return _plan_tensors(samples)
     if isinstance(first, (bool, int, float, complex, np.generic)):
         # Small: a plain array, pickled inline.
         values = np.asarray(samples)
@@ -375,6 +438,43 @@ def _plan_stack(samples, jobs):
     index = len(jobs)
     jobs.append((samples, dtype))
     return lambda stacked: stacked[index]
+
+
+def _plan_tensors(samples):
+    """Torch tensors are stacked as the default collate stacks them, into a
+    tensor born in shared memory (torchshm.empty) when it is big enough to
+    be shared, so that it is sent by reference."""
+    shape = samples[0].shape
+    for s in samples:
+        if not isinstance(s, torch.Tensor) or s.shape != shape:
+            raise ValueError(
+                "torchshm.collate expected tensors of one shape in a batch, got"
+                f" {tuple(shape)} and"
+                f" {tuple(getattr(s, 'shape', ())) or type(s).__name__}; pad or"
+                " crop samples to one shape, or batch them yourself"
+            )
+    return lambda stacked: _stack_tensors(samples)
+
+
+def _stack_tensors(samples):
+    first = samples[0]
+    out = None
+    nbytes = len(samples) * first.numel() * first.element_size()
+    if (
+        first.device.type == "cpu"
+        and nbytes >= _config.get_threshold()
+        and _registry.is_registered()
+    ):
+        dtype = functools.reduce(torch.promote_types, (s.dtype for s in samples))
+        try:
+            out = _tensors.empty(len(samples), *first.shape, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - a batch in plain memory instead
+            _fallback.fall_back(
+                exc,
+                "collating a batch in shared memory",
+                "stacking it in ordinary memory",
+            )
+    return torch.stack(list(samples), 0, out=out)
 
 
 def _stack_all(jobs):

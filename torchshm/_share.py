@@ -6,8 +6,9 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
-from torchshm import _containers
+from torchshm import _containers, _fallback
 from torchshm._send import registry as _registry
+from torchshm._send import sender as _sender
 
 T = TypeVar("T")
 
@@ -27,7 +28,9 @@ def share(
     Dataset, a model): it round-trips through torchshm's reducers in this
     process, one copy per array, so every later send of the result is O(1)
     whatever its size. Arrays below the threshold (`get_threshold`) and
-    object arrays stay ordinary; `obj` itself is not changed.
+    object arrays stay ordinary (an object array that is not strings with
+    one ``RuntimeWarning`` naming `SharedList`); `obj` itself is not
+    changed.
 
     With ``containers=True``, every list and dict in the graph (a Dataset's
     attributes included) with at least `min_items` items of plain Python
@@ -100,14 +103,26 @@ def share(
             "torchshm.share() needs torchshm's reducers: call torchshm.register()"
             " (it is off because of TORCHSHM_DISABLE=1 or torchshm.disabled())"
         )
+    declined = _sender.object_arrays_declined()
     if not containers:
-        return _registry.round_trip(obj)
-    if type(min_items) is not int or min_items < 0:
-        raise ValueError(f"min_items must be an int >= 0, got {min_items!r}")
-    out = io.BytesIO()
-    with _registry.sharing():  # as round_trip: shared, not snapshots
-        _ContainerPickler(out, min_items).dump(obj)
-    return _ContainerUnpickler(io.BytesIO(out.getbuffer())).load()
+        shared = _registry.round_trip(obj)
+    else:
+        if type(min_items) is not int or min_items < 0:
+            raise ValueError(f"min_items must be an int >= 0, got {min_items!r}")
+        out = io.BytesIO()
+        with _registry.sharing():  # as round_trip: shared, not snapshots
+            _ContainerPickler(out, min_items).dump(obj)
+        shared = _ContainerUnpickler(io.BytesIO(out.getbuffer())).load()
+    if _sender.object_arrays_declined() > declined:
+        _fallback.warn_once(
+            ("share", "object arrays"),
+            "torchshm.share(): object arrays (NumPy arrays of Python objects)"
+            " stay in ordinary memory, copied into every process they are"
+            " sent to: keep such items in a torchshm.SharedList (or"
+            " share(obj, containers=True) for lists and dicts)",
+            stacklevel=2,
+        )
+    return shared
 
 
 class _ContainerPickler(ForkingPickler):

@@ -15,6 +15,7 @@ import numpy as np
 from torchshm import _compat, _config, _fallback
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
+from torchshm._send import arrivals as _arrivals
 from torchshm._send import arrow as _arrow
 from torchshm._send import channel as _channel
 from torchshm._send import sender as _sender
@@ -31,6 +32,17 @@ _previous = None  # the reducers we replaced, restored by unregister()
 # torchdata.to_shared) leave it off inside one. By pid: a child forked inside
 # the block is a process of its own, whose hook registers as usual.
 _disabled_blocks = (0, 0)
+# (install, uninstall) of what the wings above add while torchshm is
+# registered (while_registered).
+_while_registered = []
+
+
+def while_registered(install, uninstall) -> None:
+    """Has register() call `install` and unregister() `uninstall`, from now
+    on (a wing above this one: the DataLoader's workers, _dataloader.py)."""
+    _while_registered.append((install, uninstall))
+    if is_registered():
+        install()
 
 
 def register(tensors: Optional[bool] = None) -> None:
@@ -50,8 +62,9 @@ def register(tensors: Optional[bool] = None) -> None:
         The tensor switch. ``True`` (as ``TORCHSHM_TENSORS=1``, for this
         process and the ones it starts from now on): CPU tensors that torch
         would move into ``/dev/shm`` go into torchshm's memory instead, and
-        DataLoader batches are made there. ``False`` turns it off. ``None``
-        (default) reads ``TORCHSHM_TENSORS``. Tensors made by
+        DataLoader batches are made there. ``False`` turns it off (as
+        ``TORCHSHM_TENSORS=0``). ``None`` (default) reads
+        ``TORCHSHM_TENSORS``, which is on when unset. Tensors made by
         `torchshm.empty` travel by reference either way.
 
     Returns
@@ -106,6 +119,9 @@ def register(tensors: Optional[bool] = None) -> None:
         for t, reducer in REDUCERS.items():
             ForkingPickler.register(t, reducer)
         _tensors.install()
+        _arrivals.install()
+        for install, _ in _while_registered:
+            install()
     # Only a process that sends patches multiprocessing: with
     # TORCHSHM_DISABLE=1 an import changes nothing of it.
     _channel.install()
@@ -179,6 +195,9 @@ def unregister() -> None:
             else:
                 table[t] = reducer
         _tensors.uninstall()
+        _arrivals.uninstall()
+        for _, uninstall in _while_registered:
+            uninstall()
         _previous = None
 
 

@@ -13,6 +13,7 @@ in _strings.py). The numbers below are handed to the native side once, at
 import, by torchshm/__init__.py.
 """
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,15 @@ CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
 
 
+# Object arrays this thread pickled by value (share() says so once).
+_declined = threading.local()
+
+
+def object_arrays_declined() -> int:
+    """How many object arrays this thread has pickled by value so far."""
+    return getattr(_declined, "count", 0)
+
+
 def reduce_other(array):
     """The native reducer's hook for object and empty arrays (and anything
     else it is handed that is not an ndarray). Never raises: any failure
@@ -52,6 +62,7 @@ def reduce_other(array):
             packed = _strings.reduce_str_array(array)
             if packed is None:
                 _stats.fallback("object dtype")
+                _declined.count = object_arrays_declined() + 1
                 return array.__reduce__()
             return packed
         if isinstance(array, np.ndarray) and array.size == 0:

@@ -6,11 +6,28 @@ Parameter, sparse and nested layouts, CUDA) and pickles its storage; torchshm
 replaces only the reducer of the untyped storage, so everything torch decides
 about tensors stays torch's. A storage in a torchshm segment (born there, moved
 there before, or received) always travels as a reference to its segment, with
-a ticket, like an array. With the tensor switch on (TORCHSHM_TENSORS=1, or
-torchshm.register(tensors=True)), a CPU storage not shared yet is moved into a
-segment in place, where torch would move it into a /dev/shm file, and
-UntypedStorage._new_shared (the default collate's batch in a DataLoader
-worker) makes its storage in a pooled segment. Storages torch shared itself
+a ticket, like an array. With the tensor switch on (the default;
+TORCHSHM_TENSORS=0 or torchshm.register(tensors=False) turns it off), a CPU
+storage not shared yet is moved into a segment in place, where torch would
+move it into a /dev/shm file, and UntypedStorage._new_shared (the default
+collate's batch in a DataLoader worker) makes its storage in a pooled
+segment.
+
+Note [Tensors by default]
+Most pipelines use the default collate, which turns NumPy samples into
+tensor batches: with the switch off, importing torchshm did nothing for
+them (their batches went through /dev/shm files, and failed in Docker's
+64 MiB). When the switch was added, torch's own test_multiprocessing.py and
+test_dataloader.py gave the same outcomes with it on in every process as
+without torchshm, on every lane (but for test_fs, which looks for torch's
+files in /dev/shm; scripts/torch_suites.sh, docs/guide/tensors.md), so it
+is on unless TORCHSHM_TENSORS=0. What differs from torch's path, as with
+share_memory_(): a storage moves in place when it is first sent (an ndarray
+made from the tensor before then no longer aliases it); a storage
+_new_shared makes is not zeroed (torch's callers, the default collate and
+checkpoint staging, overwrite every byte); a storage of a few KiB takes a
+pooled segment of its own (64 KiB, and an fd in its sender while it lives).
+Storages torch shared itself
 (share_memory_()) keep torch's path. Where shared memory fails, torch's own
 path carries the storage, with one warning (torchshm._fallback); the reducer
 never raises where torch's would not.
@@ -32,6 +49,9 @@ from torchshm._reduction import rebuild_storage
 
 STORAGE = torch.UntypedStorage
 SWITCH = "TORCHSHM_TENSORS"
+# On unless TORCHSHM_TENSORS=0: importing torchshm is enough for the default
+# collate's batches too (Note [Tensors by default]).
+DEFAULT = True
 
 _enabled = False
 # One move at a time: two feeder threads pickling one tensor must not both
@@ -69,7 +89,7 @@ def set_enabled(on: bool) -> None:
 def read_switch() -> None:
     """Takes the switch from the environment (at import and register())."""
     global _enabled
-    _enabled = bool(_config.env_setting(SWITCH, False))
+    _enabled = bool(_config.env_setting(SWITCH, DEFAULT))
 
 
 def segment_view(storage) -> Optional[torch.Tensor]:

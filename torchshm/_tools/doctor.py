@@ -26,9 +26,9 @@ TORCH_SHM_NOTE = (
     " default collate's batches, need room there"
 )
 TENSOR_SWITCH = (
-    "set TORCHSHM_TENSORS=1 (or call torchshm.register(tensors=True) before the"
-    " workers start) to send torch's CPU tensors through torchshm's memory"
-    " instead, or raise --shm-size"
+    "torchshm sends torch's CPU tensors through its own memory instead (the"
+    " tensor switch, on by default; TORCHSHM_TENSORS=0 or"
+    " torchshm.register(tensors=False) turns it off: then raise --shm-size)"
 )
 
 
