@@ -49,7 +49,10 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   a new keeper within a second or so; a sender killed less than REJOIN_GRACE
   seconds after a keeper kill is taken not to have).
 - not counted as sent: messages whose sender was killed before it could
-  count them (cut mid-write, or a Queue's not flushed), unless received.
+  count them (cut mid-write, or a Queue's not flushed), unless received; one
+  that arrived whole but did not load counts here too (killed after its last
+  byte, before its send returned: the keeper judges the ticket of a write
+  that never returned dead, Note [Segment lifetime] in csrc/segment.h).
 - hangs: a receiver that waited HANG seconds for a sent message, a sender that
   did not finish in time although its receiver lived, or a driver that had to
   be killed.
@@ -914,7 +917,8 @@ def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
         receiver_killed = cfg["owners"][s] in killed_receivers
         for seq in range(MAX_MESSAGES):
             status = shared.status[s * MAX_MESSAGES + seq]
-            if seq >= final and status == UNSEEN:
+            cut = seq >= final and s in killed_senders and status == FAILED
+            if cut or (seq >= final and status == UNSEEN):
                 if s in killed_senders and shared.begun[s * MAX_MESSAGES + seq]:
                     c["unconfirmed"] += 1  # its sender killed before it counted
                 continue
