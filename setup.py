@@ -9,9 +9,11 @@ try:
     import torch
 except ImportError as exc:  # an isolated build: pyproject.toml lists neither
     raise SystemExit(
-        f"torchshm builds against the torch and numpy you run ({exc}): install"
-        " them first, then build without isolation:"
-        " pip install --no-build-isolation torchshm"
+        "torchshm builds against the torch and numpy of the environment it is"
+        f" installed into, and this build cannot import them ({exc}): pip's"
+        " isolated build environment holds neither, even where they are"
+        " installed. Install them first, then, in torchshm's source folder:"
+        " pip install --no-build-isolation --no-deps ."
     ) from None
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension

@@ -6,6 +6,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -169,7 +170,26 @@ def test_a_native_extension_built_for_another_torch_is_refused(monkeypatch):
     assert "built for torch 1.7.1" in message
     assert f"this process has torch {torch.__version__}" in message
     assert f"numpy {np.__version__}" in message
-    assert "pip install --no-build-isolation" in message  # how to rebuild
+    assert _compat.REBUILD in message  # how to rebuild
+    # Never "pip install ... torchshm" (no index has it), never without
+    # --no-deps (pip would replace this torch with the newest).
+    assert "--no-deps" in message and "install SOURCE" in message
+    assert not re.search(r"(reinstall|isolation) torchshm\b", message)
+
+
+def test_an_isolated_build_says_why_it_cannot_see_torch_and_numpy():
+    # -S: no site-packages, as in pip's isolated build environment.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-S", "setup.py", "--name"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=root,
+    )
+    assert out.returncode == 1
+    assert "isolated build environment holds neither" in out.stderr, out.stderr
+    assert "pip install --no-build-isolation --no-deps ." in out.stderr
 
 
 def test_a_numpy_1_build_is_refused_under_numpy_2(monkeypatch):
@@ -203,7 +223,7 @@ def test_an_extension_that_does_not_load_names_both_versions():
     message = out.stdout
     assert f"built for torch {built['torch']}" in message, out
     assert f"this process has torch {torch.__version__}" in message
-    assert "pip install --no-build-isolation" in message
+    assert " ".join(_compat.REBUILD.split()) in " ".join(message.split())
 
 
 # ------------------------------------------------------- environment variables

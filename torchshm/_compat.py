@@ -35,13 +35,22 @@ def _build_info():
         return {}
 
 
+# How to rebuild, wherever the extension does not fit this process: from the
+# source folder (no package index carries torchshm), with --no-deps (else pip
+# may replace this torch with the newest, a CUDA build of several GB).
+REBUILD = (
+    "pip install --no-build-isolation --no-deps --force-reinstall SOURCE, SOURCE"
+    " being torchshm's source folder (in a checkout: pip install"
+    " --no-build-isolation --no-deps -e .)"
+)
+
+
 def _mismatch_message(built, cause=""):
     return (
         f"torchshm's native extension was built for torch {built.get('torch', '?')}"
         f" and numpy {built.get('numpy', '?')}, but this process has torch"
         f" {torch.__version__} and numpy {np.__version__}{cause}. Rebuild it in"
-        " this environment: pip install --no-build-isolation --force-reinstall"
-        " torchshm (or, in a checkout, pip install --no-build-isolation -e .)"
+        f" this environment: {REBUILD}"
     )
 
 
@@ -56,8 +65,7 @@ def check_native(native):
             " (libstdc++ linked statically, e.g. by a compiler wrapper): torch's"
             " errors cannot cross into it and the first one would crash the"
             " process. Rebuild it with a compiler that links libstdc++"
-            " dynamically, as torch does, e.g. CXX=/usr/bin/g++ pip install"
-            " --no-build-isolation --force-reinstall torchshm"
+            f" dynamically, as torch does, e.g. CXX=/usr/bin/g++ {REBUILD}"
         )
     built = {"torch": native.built_with_torch, "numpy": native.built_with_numpy}
     if _major_minor(built["torch"]) != TORCH_VERSION or (
