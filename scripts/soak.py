@@ -48,6 +48,10 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   the receiver tried to load it (a creator registers its segments again with
   a new keeper within a second or so; a sender killed less than REJOIN_GRACE
   seconds after a keeper kill is taken not to have).
+- forwards gone after a keeper kill: a message an inspector was handed
+  that it could not open (ENOENT) in a round where a keeper was killed: only
+  receivers mapped its segment, and no process has an fd of it for a new
+  one (the lifetime page's row). Without a keeper kill that is an error.
 - not counted as sent: messages whose sender was killed before it could
   count them (cut mid-write, or a Queue's not flushed), unless received; one
   that arrived whole but did not load counts here too (killed after its last
@@ -105,6 +109,8 @@ SHMEM_TOLERANCE_MIB = 64
 
 # Per-message status, written by the receiver that read it.
 UNSEEN, OK, CORRUPT, FAILED, CORRUPT_LATER = 0, 1, 2, 3, 4
+# An inspector's exit status: the message handed to it was "gone".
+FORWARD_GONE = 3
 # Found by a forked inspector: in what it was handed, or what it inherited.
 CORRUPT_HANDED, CORRUPT_INHERITED = 5, 6
 RECEIVED = (OK, CORRUPT, CORRUPT_LATER, CORRUPT_HANDED, CORRUPT_INHERITED)
@@ -351,7 +357,15 @@ def forwarded(message, written):
 def inspect(conn, held, shared):
     """The forked inspector: checks what it is handed, then (after its
     receiver moved on) what it inherited; marks what is wrong."""
-    s, seq, spec, written, parts = conn.recv()
+    try:
+        s, seq, spec, written, parts = conn.recv()
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise
+        # What only receivers still map, forwarded after its keeper died,
+        # cannot be opened (the lifetime page's row): the driver decides
+        # whether a keeper was killed before.
+        os._exit(FORWARD_GONE)
     if not hasattr(parts[0], "numpy"):
         parts = [
             np.ndarray(shape, dtype, buffer=base.numpy(), offset=at, strides=strides)
@@ -547,12 +561,23 @@ def receiver(cfg, r, channels, shared, result_path):
         for item in held:
             check_again(item)
         held.clear()
+    forwards_gone = 0
     for pid in inspectors:
         _, status = os.waitpid(pid, 0)
-        if status != 0:
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == FORWARD_GONE:
+            forwards_gone += 1
+        elif status != 0:
             errors.append(f"an inspector ended with status {status:#x}")
     with open(result_path, "w") as f:
-        json.dump({"hang": hang, "errors": errors[:20], "failures": failures[:20]}, f)
+        json.dump(
+            {
+                "hang": hang,
+                "errors": errors[:20],
+                "failures": failures[:20],
+                "forwards_gone": forwards_gone,
+            },
+            f,
+        )
 
 
 # ------------------------------------------------------------- the driver
@@ -685,6 +710,7 @@ def driver(cfg):
     keeper_kills = []
     stopped = []  # (resume at, pid)
     hangs = []
+    forwards_gone = 0  # handed to an inspector after a keeper kill: gone
     cut_short = set()  # receivers the driver killed for hanging
     faults_done = {}
     timeline = []  # seconds after the senders started: what was done
@@ -858,6 +884,14 @@ def driver(cfg):
         for h in report["hang"]:
             hangs.append(f"receiver {r} waited for s{h['sender']} {h['outstanding']}")
         errors += [f"receiver {r}: {e}" for e in report["errors"]]
+        if report["forwards_gone"]:
+            if keeper_kills:  # expected: nobody held an fd of it any more
+                forwards_gone += report["forwards_gone"]
+            else:
+                errors.append(
+                    f"receiver {r}: {report['forwards_gone']} forwards gone"
+                    " though no keeper was killed"
+                )
         failures += [f"receiver {r}: {e}" for e in report["failures"]]
         os.unlink(path)
     # A killed receiver's report (or one it was still writing) may be there.
@@ -870,6 +904,7 @@ def driver(cfg):
         if r not in killed_receivers and r not in cut_short and p.exitcode != 0:
             errors.append(f"receiver {r} exited with {p.exitcode}")
     counts.update(
+        forwards_gone=forwards_gone,
         hangs=len(hangs),
         hang_details=hangs,
         errors=errors,
@@ -1175,6 +1210,7 @@ def soak(args):
             "lost_dead",
             "lost_with_receiver",
             "unconfirmed",
+            "forwards_gone",
             "hangs",
         ),
         0,
@@ -1215,7 +1251,8 @@ def soak(args):
             f" {result.get('duplicated', '?')}, lost while a holder lived"
             f" {result.get('lost_live', '?')}, lost after every holder died"
             f" {result.get('lost_dead', '?')}, hangs {result['hangs']},"
-            f" unconfirmed {result.get('unconfirmed', '?')}; faults"
+            f" unconfirmed {result.get('unconfirmed', '?')}, forwards gone after a"
+            f" keeper kill {result.get('forwards_gone', 0)}; faults"
             f" {result.get('faults', {})}",
             flush=True,
         )
@@ -1268,7 +1305,9 @@ def soak(args):
         f" / hangs {totals['hangs']} / leftovers: files {len(ours)}, keepers"
         f" {len(keepers)}, processes {len(others)}, shmem {shmem:+.1f} MiB"
         f" ({shmem_note})\n"
-        f"not counted as sent: {totals['unconfirmed']} cut by a sender's SIGKILL;"
+        f"not counted as sent: {totals['unconfirmed']} cut by a sender's SIGKILL,"
+        f" {totals['forwards_gone']} forwards to an inspector after a keeper kill"
+        " (a new process cannot open what only receivers map);"
         f" errors {errors}; other new torchshm files {len(new)}",
         flush=True,
     )
