@@ -506,6 +506,39 @@ def test_a_view_dying_in_a_thread_the_lock_holder_awaits_never_hangs(ctx, child)
     sender.send(None)
 
 
+def test_a_process_with_fds_above_1024_starts_and_watches_its_keeper():
+    """A sender holds an fd per segment and raises its soft limit for them:
+    past 1024, select() raises ValueError. The keeper's start waited on it
+    (an 'unexpected ValueError' fallback, seen in the soak) and the
+    once-a-second check took every keeper for dead."""
+    code = (
+        "import os, resource, warnings, numpy as np\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))\n"
+        "ballast = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n"
+        "warnings.simplefilter('error')\n"
+        "import pickle, torchshm\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "from torchshm._lifetime import session\n"
+        "b = pickle.loads(ForkingPickler.dumps(np.arange(100_000.0)))\n"
+        "before = session.keeper_pid()\n"
+        "session.check()\n"
+        "print(torchshm.is_shared(b), torchshm.stats()['fallbacks'],"
+        " session.keeper_pid() == before)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "True {} True", run.stdout
+
+
 def test_the_keepers_judgments_out_of_fds_keep_memory():
     """The keeper holds an fd per segment: at its fd limit, a holder, a
     session's members and the pipes of this user cannot be known, and each

@@ -160,8 +160,8 @@ def leave():
     if conn is None:
         return
     try:
-        keeper_died = bool(select.select([conn], [], [], 0)[0])  # EOF
-    except (OSError, ValueError):
+        keeper_died = _readable(conn, 0)  # EOF
+    except OSError:
         keeper_died = False
     conn.close()
     if keeper_died:
@@ -256,9 +256,9 @@ def check():
                     pass
             return
         try:
-            ready = select.select([conn], [], [], 0)[0]
-        except (OSError, ValueError):
-            ready = [conn]
+            ready = _readable(conn, 0)
+        except OSError:
+            ready = True
         if ready:  # a member is never sent anything unasked: EOF
             try:
                 rejoin()
@@ -428,11 +428,21 @@ def _start_keeper(session):
     )
     # One byte once it listens; EOF if it failed (or another keeper serves).
     # A keeper that is that slow to start serves no one and exits.
-    select.select([proc.stdout], [], [], max(_config.keeper_timeout(), 5.0))
+    _readable(proc.stdout, max(_config.keeper_timeout(), 5.0))
     proc.stdout.close()
     # The keeper outlives us by design; drop the Popen so Python does not warn
     # that a child is still running when this object is collected.
     proc.returncode = 0
+
+
+def _readable(stream, timeout):
+    """Whether `stream` (a socket or file) has something to read (EOF
+    included) within `timeout` seconds. poll, not select: a process that
+    holds many segments has fds above select's 1024 (its soft limit raised
+    for them), where select raises ValueError."""
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    return bool(poller.poll(int(timeout * 1000)))
 
 
 def after_fork_in_child():
