@@ -9,6 +9,7 @@ import os
 import select
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -350,6 +351,23 @@ def true_in_forked_child(check, timeout=TIMEOUT):
             time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
     return answer == b"1"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(source, *args, env=None, timeout=2 * TIMEOUT):
+    """Runs `source` in a fresh interpreter (its own imports), from the
+    checkout's root, with `args` as sys.argv[1:] and `env` (default: this
+    process's environment); the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=os.environ if env is None else env,
+    )
 
 
 def run_script(tmp_path, source, *args):

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -20,21 +19,15 @@ import torch
 
 import torchshm
 from torchshm import _compat, _config
+from tests import conftest
 from tests.conftest import TIMEOUT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(source, **env):
-    """Runs `source` in a fresh interpreter (its own imports); the process."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)],
-        capture_output=True,
-        text=True,
-        timeout=2 * TIMEOUT,
-        cwd=ROOT,
-        env=dict(os.environ, **env),
-    )
+    """Runs `source` in a fresh interpreter with `env` added; the process."""
+    return conftest.run_python(source, env=dict(os.environ, **env))
 
 
 def run_json(source, **env):

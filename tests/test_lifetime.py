@@ -36,7 +36,7 @@ from torchshm._lifetime.keeper import paths as _paths
 from torchshm._lifetime.keeper import protocol as _protocol
 from torchshm._lifetime import mappings as _mappings
 from torchshm._lifetime import session as _session
-from tests.conftest import keeper_segments, memfd_holders, session_segments
+from tests.conftest import keeper_segments, memfd_holders, run_python, session_segments
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
@@ -527,14 +527,7 @@ def test_a_process_with_fds_above_1024_starts_and_watches_its_keeper():
         " session.keeper_pid() == before)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=env,
-    )
+    run = run_python(code, env=env, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == "True {} True", run.stdout
 
@@ -555,13 +548,7 @@ def test_the_keepers_judgments_out_of_fds_keep_memory():
         "print(before, [paths.process_alive(holder), procfs.open_pipes(),"
         " procfs.session_in_environment(session)])\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(_C.process_id()), "f00d" + "0" * 8],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    run = run_python(code, str(_C.process_id()), "f00d" + "0" * 8, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == "True [True, None, True]"
 

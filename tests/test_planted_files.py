@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import torchshm
+from tests import conftest
 from tests.conftest import TIMEOUT, segment_mappings, session_segments
 from torchshm import _C
 from torchshm._lifetime.keeper import paths as _paths
@@ -59,13 +60,8 @@ def remove(path):
 
 
 def run_python(code, env=None):
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=ROOT,
-        env=dict(env or os.environ, PYTHONPATH=ROOT),
+    return conftest.run_python(
+        code, env=dict(env or os.environ, PYTHONPATH=ROOT), timeout=TIMEOUT
     )
 
 

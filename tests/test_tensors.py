@@ -7,8 +7,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import subprocess
-import sys
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -19,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import torchshm
 from tests import tensor_children as tc
-from tests.conftest import TIMEOUT, stats_delta
+from tests.conftest import TIMEOUT, run_python, stats_delta
 from tests.test_lifetime import kill_and_expect_memory_back
 from torchshm._compat import untyped_storage
 from torchshm._send import tensors as _tensors
@@ -285,14 +283,7 @@ def test_import_alone_sends_tensors_through_torchshm_unless_turned_off(setting):
     env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_TENSORS"}
     if setting is not None:
         env["TORCHSHM_TENSORS"] = setting
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=env,
-    )
+    run = run_python(code, env=env, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     through_torchshm, equal, batch_in_segment = json.loads(run.stdout)
     assert equal
