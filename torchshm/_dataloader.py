@@ -459,22 +459,31 @@ def _plan_tensors(samples):
 def _stack_tensors(samples):
     first = samples[0]
     out = None
-    nbytes = len(samples) * first.numel() * first.element_size()
-    if (
-        first.device.type == "cpu"
-        and nbytes >= _config.get_threshold()
-        and _registry.is_registered()
-    ):
+    if first.device.type == "cpu":
         dtype = functools.reduce(torch.promote_types, (s.dtype for s in samples))
-        try:
-            out = _tensors.empty(len(samples), *first.shape, dtype=dtype)
-        except Exception as exc:  # noqa: BLE001 - a batch in plain memory instead
-            _fallback.fall_back(
-                exc,
-                "collating a batch in shared memory",
-                "stacking it in ordinary memory",
-            )
+        out = _in_shared_memory(
+            len(samples) * first.numel() * first.element_size(),
+            lambda: _tensors.empty(len(samples), *first.shape, dtype=dtype),
+        )
     return torch.stack(list(samples), 0, out=out)
+
+
+def _in_shared_memory(nbytes, allocate):
+    """allocate() where a batch of `nbytes` is worth sharing (at least the
+    threshold, with torchshm registered), else None: the batch goes in
+    ordinary memory (to be pickled inline), as it does, with one warning,
+    where allocate() fails."""
+    if nbytes < _config.get_threshold() or not _registry.is_registered():
+        return None
+    try:
+        return allocate()
+    except Exception as exc:  # noqa: BLE001 - a batch in plain memory instead
+        _fallback.fall_back(
+            exc,
+            "collating a batch in shared memory",
+            "stacking it in ordinary memory",
+        )
+        return None
 
 
 def _stack_all(jobs):
@@ -486,16 +495,9 @@ def _stack_all(jobs):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         layout.append((total, shape, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    owner = None
-    if total and total >= _config.get_threshold() and _registry.is_registered():
-        try:
-            owner = _segments.allocate(total)
-        except Exception as exc:  # noqa: BLE001 - a batch in plain memory instead
-            _fallback.fall_back(
-                exc,
-                "collating a batch in shared memory",
-                "stacking it in ordinary memory",
-            )
+    owner = (
+        _in_shared_memory(total, lambda: _segments.allocate(total)) if total else None
+    )
     if owner is None:
         return [np.stack(s).astype(d, copy=False) for s, d in jobs]
     stacked = []
