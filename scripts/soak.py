@@ -44,10 +44,13 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   never arrived or did not load, although its sender or a keeper that had its
   segment lived until the load was tried.
 - lost after every holder died: its receiver was killed (nobody else reads
-  its channel); or its sender was killed and then a keeper too, both before
-  the receiver tried to load it (a creator registers its segments again with
-  a new keeper within a second or so; a sender killed less than REJOIN_GRACE
-  seconds after a keeper kill is taken not to have).
+  its channel); or its sender exited (a slow receiver often still has
+  messages to read then; torchshm's exit hook hands them to a live keeper)
+  and then a keeper was killed, before the receiver tried to load it; or
+  its sender died without that hook (SIGKILL, os._exit) and a keeper was
+  killed too, both before the receiver tried (a creator registers its
+  segments again with a new keeper within a second or so; a sender gone
+  less than REJOIN_GRACE seconds after a keeper kill is taken not to have).
 - forwards gone after a keeper kill: a message an inspector was handed
   that it could not open (ENOENT) in a round where a keeper was killed: only
   receivers mapped its segment, and no process has an fd of it for a new
@@ -269,6 +272,9 @@ class Shared:
         self.duplicates = ctx.RawArray("q", receivers)
         self.receiver_dead = ctx.RawArray("b", receivers)
         self.go = ctx.RawArray("d", 1)  # when faults may start (the timeline's 0)
+        # When a sender's exit finalizers had run (torchshm's hands what it
+        # sent to a live keeper); 0: it died without them (SIGKILL, os._exit).
+        self.exited = ctx.RawArray("d", senders)
 
 
 def _limit_fds(soft):
@@ -293,6 +299,12 @@ def sender(cfg, s, channel, shared):
         torchshm.set_threshold(0)
         torchshm.set_allocator(True, min_bytes=1)
 
+    from multiprocessing import util
+
+    def exited():
+        shared.exited[s] = time.monotonic()
+
+    util.Finalize(None, exited, exitpriority=-1000)  # after torchshm's (-100)
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
     started = time.monotonic()
@@ -706,6 +718,9 @@ def driver(cfg):
         channel.close_in_parent()
 
     killed_senders = {}  # sender -> monotonic time of its SIGKILL
+    # sender -> when the driver saw it gone (after its exit: a bound no death
+    # can come after), however it ended
+    gone_senders = {}
     killed_receivers = {}  # receiver -> monotonic time of its SIGKILL
     keeper_kills = []
     stopped = []  # (resume at, pid)
@@ -722,6 +737,12 @@ def driver(cfg):
         for s, p in enumerate(senders):
             if not sender_ended(s) and p.exitcode is not None:
                 shared.final[s] = shared.confirmed[s]
+            if s not in gone_senders and p.exitcode is not None:
+                gone_senders[s] = time.monotonic()
+                if s not in killed_senders:
+                    timeline.append(
+                        f"{gone_senders[s] - shared.go[0]:.2f} s: sender {s} exited"
+                    )
 
     keepers_seen = set(keeper_pids({session}))
     watched_at = [0.0]
@@ -869,7 +890,15 @@ def driver(cfg):
 
     watched_at[0] = 0.0
     watch_keepers(time.monotonic())
-    counts = tally(cfg, shared, killed_senders, killed_receivers, keeper_kills)
+    settle()
+    counts = tally(
+        cfg,
+        shared,
+        killed_senders,
+        {**gone_senders, **killed_senders},
+        killed_receivers,
+        keeper_kills,
+    )
     errors, failures = [], []
     for r, path in enumerate(results):
         if r in killed_receivers:
@@ -921,7 +950,7 @@ def driver(cfg):
     print("RESULT", json.dumps(counts), flush=True)
 
 
-def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
+def tally(cfg, shared, killed_senders, gone_senders, killed_receivers, keeper_kills):
     c = dict(
         sent=0,
         received=0,
@@ -936,13 +965,18 @@ def tally(cfg, shared, killed_senders, killed_receivers, keeper_kills):
     )
 
     def every_holder_died(s, seq):
-        # Its sender died, and a keeper that had its segment died after that
-        # (or just before, too soon for the sender to register it again).
-        if s not in killed_senders:
+        # Its sender exited (its exit handed what it sent to a keeper), then
+        # a keeper that had its segment died; or its sender died without
+        # its exit hook (SIGKILL, os._exit), and a keeper died after that (or
+        # just before, too soon for the sender to register it again).
+        if s not in gone_senders:
             return False
         index = s * MAX_MESSAGES + seq
-        begun, death = shared.begun[index], killed_senders[s]
+        begun, exited = shared.begun[index], shared.exited[s]
         tried = shared.tried[index] or float("inf")  # never arrived: not tried
+        if exited:
+            return any(exited < k < tried for k in keeper_kills)
+        death = gone_senders[s]
         return death < tried and any(
             begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE for k in keeper_kills
         )

@@ -169,6 +169,51 @@ def test_messages_past_a_quarter_of_a_low_soft_fd_limit_survive_the_keepers_sigk
     assert result["soft"] > 256  # raised towards the hard limit, as needed
 
 
+SENDER_EXITS_AFTER_KEEPER_KILL = """
+# A sender's messages wait in a pipe; the keeper is SIGKILLed and the sender
+# exits at once, before its once-a-second check would have joined a new
+# keeper: its exit must hand its segments to one, or they die with it.
+import multiprocessing as mp
+N = 8
+
+def send(conn, bye):
+    for i in range(N):
+        conn.send((i, np.full(1 << 17, i, dtype=np.float64)))
+    bye.recv()  # then exits at once
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    reader, writer = ctx.Pipe(duplex=False)
+    bye_reader, bye_writer = ctx.Pipe(duplex=False)
+    _session.join()
+    child = ctx.Process(target=send, args=(writer, bye_reader))
+    child.start()
+    writer.close()
+    while not reader.poll(0.05) and child.exitcode is None:
+        pass
+    time.sleep(0.5)  # the N writes: a few microseconds each
+    kill_keeper()
+    bye_writer.send(None)
+    child.join(60)
+    loaded = []
+    for _ in range(N):
+        try:
+            i, a = reader.recv()
+            loaded.append(bool((a == i).all()))
+        except Exception as exc:
+            loaded.append(repr(exc)[:200])
+    report(loaded=loaded, exitcode=child.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_sender_exiting_right_after_the_keepers_sigkill_hands_on_its_messages(
+    method,
+):
+    result = only(*run_script(SENDER_EXITS_AFTER_KEEPER_KILL, method, timeout=180))
+    assert result == {"loaded": [True] * 8, "exitcode": 0}
+
+
 # ------------------------------------------------ 2. a late child
 
 LATE_CHILD = """

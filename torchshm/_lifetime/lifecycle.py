@@ -139,6 +139,11 @@ def _at_exit():
 
 
 def _exit():
+    # A keeper that died since the last check (about once a second) is
+    # replaced now: what this process sent and nobody has loaded yet must
+    # go to a keeper before this process's fds of it close.
+    if _C.segments_with_fd():
+        _session.check()
     _holdings.exiting = True
     # The timer is a daemon thread: left running into interpreter
     # finalization, it is stopped wherever it is, perhaps holding the lock,

@@ -242,8 +242,9 @@ def rejoin():
 
 def check():
     """Rejoins if the keeper died (its connection reads as closed). Called
-    about once a second, by the pool's thorough pass; skipped while another
-    thread waits for a reply on the connection."""
+    about once a second, by the pool's thorough pass, and at exit (what this
+    process sent must reach a keeper before its fds close); skipped while
+    another thread waits for a reply on the connection. Never raises."""
     if not _lock.acquire(blocking=False):
         return
     try:
@@ -252,7 +253,7 @@ def check():
             if _session is not None and not _left and time.monotonic() >= _silent_until:
                 try:
                     rejoin()  # after a keeper that did not answer in time
-                except _C.SharedMemoryError:
+                except OSError:  # SharedMemoryError, or no keeper could start
                     pass
             return
         try:
@@ -262,7 +263,7 @@ def check():
         if ready:  # a member is never sent anything unasked: EOF
             try:
                 rejoin()
-            except _C.SharedMemoryError:
+            except OSError:  # SharedMemoryError, or no keeper could start
                 pass  # the next request tries again (or goes on without)
     finally:
         _lock.release()
