@@ -6,6 +6,7 @@
 
 #include "config.h"
 #include "errors.h"
+#include "gil.h"
 #include "identity.h"
 #include "live.h"
 #include "ndarray.h"
@@ -307,6 +308,8 @@ PyObject* reduce_through_message(PyObject* obj, int64_t small) {
       placed = m.plan.copy(array, placed);
     }
     return m.reduce_shared(message, array, placed).release().ptr();
+  } catch (abi::__forced_unwind&) {
+    throw;  // a thread CPython ends: Note [The GIL at exit] in gil.h
   } catch (...) {
     set_python_error(std::current_exception());
     return fall_back(obj);

@@ -15,6 +15,7 @@
 #include "cxx_runtime.h"
 #include "errors.h"
 #include "fork_guard.h"
+#include "gil.h"
 #include "identity.h"
 #include "items.h"
 #include "layout.h"
@@ -106,9 +107,9 @@ PYBIND11_MODULE(_C, m) {
       .def_static("create", &Segment::create, py::arg("session"),
                   py::arg("table"), py::arg("capacity"), py::arg("creator"),
                   py::arg("threads") = 1, py::arg("populate") = true,
-                  py::call_guard<py::gil_scoped_release>())
+                  py::call_guard<torchshm::GilReleased>())
       .def_static("attach", &Segment::attach, py::arg("fd"), py::arg("session"),
-                  py::arg("uid"), py::call_guard<py::gil_scoped_release>())
+                  py::arg("uid"), py::call_guard<torchshm::GilReleased>())
       .def_property_readonly("name", &Segment::name)
       .def_property_readonly("locator", &Segment::locator)
       .def_property_readonly("session", &Segment::session)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "gil.h"
 #include "numpy_api.h"
 #include "parallel.h"
 
@@ -64,7 +65,7 @@ void copy_extent(py::handle array, const at::Tensor& dest, int64_t dest_offset,
   const auto* src = static_cast<const uint8_t*>(PyArray_DATA(a)) + lo;
   auto* dst = static_cast<uint8_t*>(dest.data_ptr()) + dest_offset;
   // The caller's reference keeps `array` alive while the GIL is released.
-  py::gil_scoped_release no_gil;
+  GilReleased no_gil;  // Note [The GIL at exit] in gil.h
   copy_bytes(dst, src, n, threads);
 }
 

@@ -7,6 +7,7 @@
 
 #include "allocator.h"
 #include "config.h"
+#include "gil.h"
 #include "live.h"
 #include "ndarray.h"
 #include "numpy_api.h"
@@ -231,7 +232,7 @@ Placement Plan::copy_view(PyArrayObject* array,
   const auto* src = reinterpret_cast<const uint8_t*>(start + lo);
   {
     // The caller's reference keeps `array` (and so its base chain) alive.
-    py::gil_scoped_release no_gil;
+    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
     target.segment->fill(at, src, n, policy.copy_threads);
   }
   count(kArraysShared);

@@ -54,4 +54,15 @@ inline PyObject* weak_referent(PyObject* weak, bool* failed) {
 #endif
 }
 
+// Whether the interpreter has begun to finalize (a thread other than the
+// finalizing one that takes the GIL now is ended: Note [The GIL at exit] in
+// gil.h). Public from 3.13.
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 }  // namespace torchshm

@@ -9,6 +9,7 @@
 
 #include "config.h"
 #include "errors.h"
+#include "gil.h"
 #include "ndarray.h"
 #include "numpy_api.h"
 #include "segment.h"
@@ -87,6 +88,8 @@ PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
     if (args[6] == Py_None) return array.release().ptr();
     static PyObject* view_name = PyUnicode_InternFromString("view");
     return PyObject_CallMethodOneArg(array.ptr(), view_name, args[6]);
+  } catch (abi::__forced_unwind&) {
+    throw;  // a thread CPython ends: Note [The GIL at exit] in gil.h
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;

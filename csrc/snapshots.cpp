@@ -1,5 +1,6 @@
 #include "snapshots.h"
 
+#include "gil.h"
 #include "identity.h"
 #include "live.h"
 #include "views.h"
@@ -35,7 +36,7 @@ std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
   bool same = false;
   {
     // `key` (the caller's array) keeps the bytes alive; `owner` the segment.
-    py::gil_scoped_release no_gil;
+    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
     same = segment->equals(at, reinterpret_cast<const uint8_t*>(lo), hi - lo,
                            threads);
   }

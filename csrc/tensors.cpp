@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "gil.h"
 #include "message.h"
 #include "stats.h"
 #include "views.h"
@@ -61,7 +62,7 @@ void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
   {
     // The caller holds the storage, and its policy lock keeps any other
     // thread from moving it meanwhile (torch/_send/tensors.py).
-    py::gil_scoped_release no_gil;
+    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
     segment->fill(0, src, n, threads);
   }
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
@@ -106,7 +107,7 @@ void snapshot_storage(const at::Tensor& tensor, const at::Tensor& owner,
               " bytes does not fit a segment of ", segment->capacity());
   const auto* src = static_cast<const uint8_t*>(storage.data());
   {
-    py::gil_scoped_release no_gil;
+    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
     segment->fill(0, src, n, threads);
   }
   segment->mark_snapshot();

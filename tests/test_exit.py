@@ -130,3 +130,41 @@ def test_a_receiver_exits_promptly_while_its_sender_lives(tmp_path, sender, endi
                 os.kill(int(words[0]), signal.SIGKILL)  # the sender
             except ProcessLookupError:
                 pass
+
+
+# A daemon thread in torchshm's native work (the GIL released) when the main
+# thread returns: CPython ends it when it asks for the GIL back, which must
+# never abort the process (Note [The GIL at exit] in csrc/gil.h). Arrays
+# only: torch's own bindings abort the same way (pytorch/pytorch#38228: a
+# daemon thread sending tensors without torchshm aborted 9 exits in 10).
+DAEMON_AT_EXIT = """
+import sys, threading, time
+import numpy as np
+import torchshm
+from multiprocessing.reduction import ForkingPickler
+
+big = np.ones(8 << 20)  # 64 MiB: each send copies it, the GIL released
+started = threading.Event()
+
+def send_for_ever():
+    started.set()
+    while True:
+        ForkingPickler.dumps(big)
+
+threading.Thread(target=send_for_ever, daemon=True).start()
+started.wait()
+time.sleep(float(sys.argv[1]))
+print("main returns", flush=True)
+"""
+
+
+def test_a_daemon_thread_copying_an_array_when_the_main_thread_returns_never_aborts():
+    # Several moments, so that exits catch the thread mid-copy and waiting
+    # for the GIL (before the fix 10 of 10 aborted; with the GIL taken back
+    # in a destructor that let the unwinding out, 2 in 40 segfaulted in a
+    # catch-all that swallowed it).
+    from tests.conftest import run_python
+
+    for delay in ("0.05", "0.13", "0.31", "0.52"):
+        run = run_python(DAEMON_AT_EXIT, delay)
+        assert (run.returncode, run.stdout) == (0, "main returns\n"), run.stderr[-2000:]
