@@ -532,6 +532,45 @@ def test_a_process_with_fds_above_1024_starts_and_watches_its_keeper():
     assert run.stdout.split("\n")[0] == "True {} True", run.stdout
 
 
+def test_a_process_with_fds_above_1024_at_import_lets_go_of_idle_memory():
+    """The timer's wake-up pipe is made at import (and anew in a forked
+    child): in a process that holds more than 1024 fds by then (a server
+    that imports torchshm late), it lies above 1024, where the timer's
+    select() raised ValueError and ended the timer, so idle memory was
+    never given back (nor segments kept for messages that were read)."""
+    code = (
+        "import os, pickle, resource, threading, time, numpy as np\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))\n"
+        "ballast = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n"
+        "import torchshm\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "def segments():\n"
+        "    n = 0\n"
+        "    for fd in os.listdir('/proc/self/fd'):\n"
+        "        try:\n"  # the listing's own fd is gone by now
+        "            link = os.readlink(f'/proc/self/fd/{fd}')\n"
+        "        except OSError:\n"
+        "            continue\n"
+        "        n += link.startswith('/memfd:torchshm-segment')\n"
+        "    return n\n"
+        "errors = []\n"
+        "threading.excepthook = lambda a: errors.append(repr(a.exc_value))\n"
+        "a = pickle.loads(ForkingPickler.dumps(np.ones(1 << 20)))\n"
+        "held = segments()\n"
+        "del a\n"
+        "deadline = time.monotonic() + 20\n"
+        "while segments() and not errors and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print(held, segments(), errors, flush=True)\n"
+    )
+    env = dict(os.environ, TORCHSHM_POOL_IDLE_SECONDS="0.2")
+    env.pop("TORCHSHM_SESSION", None)
+    run = run_python(code, env=env, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "1 0 []", run.stdout + run.stderr[-2000:]
+
+
 def test_the_keepers_judgments_out_of_fds_keep_memory():
     """The keeper holds an fd per segment: at its fd limit, a holder, a
     session's members and the pipes of this user cannot be known, and each

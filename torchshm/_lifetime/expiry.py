@@ -1,12 +1,12 @@
 """The expiry timer: gives idle shared memory back (Note [Expiry timer])."""
 
 import os
-import select
 import sys
 import threading
 import time
 
 from torchshm import _config
+from torchshm._lifetime import fds as _fds
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
 from torchshm._native import _C
@@ -141,7 +141,7 @@ class _Expiry:
         r = _quiet_pipe[0]
         while True:
             idle = _config.pool_idle_seconds()
-            select.select([r], [], [], self._next_wait(idle))
+            _fds.readable(r, self._next_wait(idle))  # fds past 1024: poll
             _C.wake_when_quiet(-1)
             try:
                 os.read(r, 4096)  # nonblocking: drains the wake-ups

@@ -5,6 +5,7 @@ limit). A soft limit is a default that every process may raise up to its
 hard limit; failing a message instead would lose it."""
 
 import resource
+import select
 
 # An unlimited hard limit counts as this many fds.
 UNLIMITED_FDS = 1 << 20
@@ -31,3 +32,13 @@ def raise_soft_limit(at_least=0):
         resource.RLIMIT_NOFILE, (min(ceiling, max(2 * soft, at_least)), hard)
     )
     return True
+
+
+def readable(stream, timeout):
+    """Whether `stream` (a socket, a file or an fd) has something to read
+    (EOF included) within `timeout` seconds (None: waits for it). poll, not
+    select: a process that holds many segments has fds above select's 1024
+    (its soft limit raised for them), where select raises ValueError."""
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else int(timeout * 1000)))

@@ -25,7 +25,6 @@ registering what it created (rejoin()).
 import errno
 import os
 import secrets
-import select
 import socket
 import struct
 import subprocess
@@ -160,7 +159,7 @@ def leave():
     if conn is None:
         return
     try:
-        keeper_died = _readable(conn, 0)  # EOF
+        keeper_died = _fds.readable(conn, 0)  # EOF
     except OSError:
         keeper_died = False
     conn.close()
@@ -257,7 +256,7 @@ def check():
                     pass
             return
         try:
-            ready = _readable(conn, 0)
+            ready = _fds.readable(conn, 0)
         except OSError:
             ready = True
         if ready:  # a member is never sent anything unasked: EOF
@@ -429,21 +428,11 @@ def _start_keeper(session):
     )
     # One byte once it listens; EOF if it failed (or another keeper serves).
     # A keeper that is that slow to start serves no one and exits.
-    _readable(proc.stdout, max(_config.keeper_timeout(), 5.0))
+    _fds.readable(proc.stdout, max(_config.keeper_timeout(), 5.0))
     proc.stdout.close()
     # The keeper outlives us by design; drop the Popen so Python does not warn
     # that a child is still running when this object is collected.
     proc.returncode = 0
-
-
-def _readable(stream, timeout):
-    """Whether `stream` (a socket or file) has something to read (EOF
-    included) within `timeout` seconds. poll, not select: a process that
-    holds many segments has fds above select's 1024 (its soft limit raised
-    for them), where select raises ValueError."""
-    poller = select.poll()
-    poller.register(stream, select.POLLIN)
-    return bool(poller.poll(int(timeout * 1000)))
 
 
 def after_fork_in_child():
