@@ -311,3 +311,39 @@ def test_an_index_never_reads_another_handles_word(handle):
     assert_refused(forge(handle, index=header_of(second)["index"]), errno.ESTALE)
     assert_refused(forge(handle, index=(64 << 10) // 8), match="index")
     assert torchshm.loads(second).shape == (20,)
+
+
+class Node:
+    """Weakly referenceable, so that a handle of it lives as long as it."""
+
+    def __init__(self, value):
+        self.value, self.next = value, None
+
+
+def test_a_handle_dropped_by_a_collection_under_the_handles_lock_never_hangs():
+    """An exported object in a reference cycle is freed at whatever
+    collection comes next, in whatever thread: also one that an allocation
+    starts while that thread holds the handles' lock (dumps() makes a cell
+    under it). The finalizer waited for that lock: the thread hung for good.
+    It is dropped once the lock is let go instead."""
+    import threading
+
+    cycle = Node(np.arange(100_000.0))
+    cycle.next = cycle
+    handle = torchshm.dumps(cycle)
+    del cycle
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with _handles._lock:
+            gc.collect()  # the finalizer runs here
+        done.set()
+
+    gc.disable()  # no collection before the one under the lock
+    try:
+        thread = threading.Thread(target=collect_under_the_lock, daemon=True)
+        thread.start()
+        assert done.wait(TIMEOUT / 4), "the finalizer waited for the lock"
+    finally:
+        gc.enable()
+    assert torchshm.release(handle) is False  # dropped already

@@ -23,6 +23,8 @@ reuses them and they are never unlinked) until the handle is released. So:
   (their slots keep the memory), but do not make the handle valid again.
 """
 
+import collections
+import contextlib
 import errno
 import io
 import os
@@ -49,6 +51,8 @@ FORMAT = 1
 _CELL_BYTES = 64 << 10  # one cell segment: 8192 handles of this process
 _CELL_WORDS = _CELL_BYTES // 8
 _lock = threading.Lock()
+# Tokens whose objects died while another frame held _lock (_finalized).
+_dead = collections.deque()
 _cells = []  # [(int8 tensor over a cell segment, its words as uint64)]
 _free = []  # (cell number, word index) pairs released for reuse
 _exports = {}  # token -> _Export
@@ -213,7 +217,7 @@ def dumps(obj: Any) -> bytes:
     pins = list(pickler.pins.values())
     del pickler
     token = secrets.randbits(63) | 1
-    with _lock:
+    with _locked():
         number, index = _new_cell()
         cell_owner, words = _cells[number]
         export = _Export(pins, number, index, token)
@@ -221,7 +225,7 @@ def dumps(obj: Any) -> bytes:
         words[index] = token
     cell = _C.segment_of(cell_owner)
     try:
-        export.finalizer = weakref.finalize(obj, _drop, token)
+        export.finalizer = weakref.finalize(obj, _finalized, token)
         export.finalizer.atexit = False
     except TypeError:
         pass  # not weakly referenceable: until release() or exit
@@ -336,21 +340,64 @@ def release(data: bytes) -> bool:
 
 
 def _drop(token):
-    with _lock:
-        export = _exports.pop(token, None)
-        if export is None:
-            return False
-        words = _cells[export.cell][1]
-        words[export.index] = 0
-        _free.append((export.cell, export.index))
-        export.pins = None
-        if not _exports:
-            # No handle left: the cells go too (nothing outlives its use).
-            _cells.clear()
-            _free.clear()
+    with _locked():
+        export = _drop_locked(token)
+    if export is None:
+        return False
     if export.finalizer is not None:
         export.finalizer.detach()
     return True
+
+
+def _finalized(token):
+    """An exported object died. Its finalizer runs at any collection, in
+    whatever thread: also one that holds _lock (an allocation under it
+    starts a collection), so it never waits for the lock: the holder drops
+    the token as it lets go (_locked)."""
+    _dead.append(token)
+    if _lock.acquire(blocking=False):
+        try:
+            _drop_dead()
+        finally:
+            _lock.release()
+
+
+@contextlib.contextmanager
+def _locked():
+    """_lock, with the tokens of objects that died while another frame held
+    it dropped first, and those that died meanwhile before it is let go (and
+    after, for one that died as it was let go)."""
+    with _lock:
+        _drop_dead()
+        yield
+        _drop_dead()
+    while _dead and _lock.acquire(blocking=False):
+        try:
+            _drop_dead()
+        finally:
+            _lock.release()
+
+
+def _drop_dead():
+    while _dead:
+        _drop_locked(_dead.popleft())
+
+
+def _drop_locked(token):
+    """Frees the export of `token` (None if there is none). Call with _lock
+    held."""
+    export = _exports.pop(token, None)
+    if export is None:
+        return None
+    words = _cells[export.cell][1]
+    words[export.index] = 0
+    _free.append((export.cell, export.index))
+    export.pins = None
+    if not _exports:
+        # No handle left: the cells go too (nothing outlives its use).
+        _cells.clear()
+        _free.clear()
+    return export
 
 
 class _HandleData:
