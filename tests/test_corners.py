@@ -214,6 +214,46 @@ def test_a_sender_exiting_right_after_the_keepers_sigkill_hands_on_its_messages(
     assert result == {"loaded": [True] * 8, "exitcode": 0}
 
 
+KEEPER_DIES_AT_JOIN = """
+# A keeper that takes the connection and dies before it answers the join (a
+# SIGKILL between the two): the member tries once more, which starts its
+# successor, instead of going on without torchshm.
+import threading
+session = "dead" + os.urandom(4).hex()
+path = _paths.socket_path(session)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(path)
+listener.listen(1)
+
+def die_at_the_first_request():
+    conn, _ = listener.accept()
+    conn.recv(64)  # the join
+    os.unlink(path)  # as a dead keeper's socket refuses
+    listener.close()
+    conn.close()
+
+threading.Thread(target=die_at_the_first_request, daemon=True).start()
+member = subprocess.run(
+    [sys.executable, "-W", "error", "-c",
+     "import json, numpy as np, torchshm;"
+     " from torchshm._lifetime import session;"
+     " session.join();"
+     " a = torchshm.share(np.ones(1 << 17));"
+     " print(json.dumps([session.session_id(), torchshm.is_shared(a)]))"],
+    env=dict(os.environ, TORCHSHM_SESSION=session), capture_output=True,
+    text=True, timeout=120)
+report(joined=member.stdout.strip(), expected=json.dumps([session, True]),
+       stderr=member.stderr[-1500:])
+"""
+
+
+def test_a_keeper_that_dies_between_connect_and_join_is_replaced():
+    result = only(*run_script(KEEPER_DIES_AT_JOIN))
+    assert result["joined"] == result["expected"], result["stderr"]
+    # The keeper its member started ends with the session.
+    assert not wait_keeper_gone(json.loads(result["expected"])[0])
+
+
 # ------------------------------------------------ 2. a late child
 
 LATE_CHILD = """

@@ -110,26 +110,31 @@ def _join(session):
         raise _unavailable(f"it has no directory to work in: {_no_run_dir}")
     if time.monotonic() < _silent_until:
         raise _timed_out("joining its session (it did not answer just before)")
-    conn = _connect(session) if session else None
-    if conn is None:
-        # First process of the tree, or its keeper died: start one, under
-        # the same id. Never a new id for a session that has one: that would
-        # split its members.
-        session = session or secrets.token_hex(6)
-        _start_keeper(session)
-        conn = _connect_soon(session)
+    for last_try in (False, True):
+        conn = _connect(session) if session else None
         if conn is None:
-            raise _unavailable("its keeper did not start")
-    _keeper_pid = _peer_pid(conn)
-    try:
-        reply, fds = _request(conn, _protocol.join(_C.process_id()))
-    except TimeoutError:
-        conn.close()
-        _silent_until = time.monotonic() + _config.keeper_timeout()
-        raise _timed_out("joining its session") from None
-    except OSError as exc:
-        conn.close()
-        raise _unavailable(f"its keeper is gone: {exc}") from None
+            # First process of the tree, or its keeper died: start one, under
+            # the same id. Never a new id for a session that has one: that
+            # would split its members.
+            session = session or secrets.token_hex(6)
+            _start_keeper(session)
+            conn = _connect_soon(session)
+            if conn is None:
+                raise _unavailable("its keeper did not start")
+        _keeper_pid = _peer_pid(conn)
+        try:
+            reply, fds = _request(conn, _protocol.join(_C.process_id()))
+            break
+        except TimeoutError:
+            conn.close()
+            _silent_until = time.monotonic() + _config.keeper_timeout()
+            raise _timed_out("joining its session") from None
+        except OSError as exc:
+            # It died between our connect and our request (a SIGKILL): once
+            # more, which finds its successor or starts one.
+            conn.close()
+            if last_try:
+                raise _unavailable(f"its keeper is gone: {exc}") from None
     try:
         if reply != _protocol.TABLE or len(fds) != 1:
             raise _unavailable(f"its keeper answered {reply[:16]!r} (busy)")
