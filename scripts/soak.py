@@ -585,7 +585,7 @@ def receiver(cfg, r, channels, shared, result_path):
             {
                 "hang": hang,
                 "errors": errors[:20],
-                "failures": failures[:20],
+                "failures": failures[:2000],
                 "forwards_gone": forwards_gone,
             },
             f,
@@ -1290,14 +1290,20 @@ def soak(args):
             f" {result.get('faults', {})}",
             flush=True,
         )
+        # The failures of messages lost while a holder lived come first.
+        lost = {x.split(" ")[0] for x in result.get("lost_live_samples", [])}
+        failures = sorted(
+            result.get("load_failures", []),
+            key=lambda f: f.split(": ", 1)[1].split(" ")[0] not in lost,
+        )
         problems = (
             result.get("corrupted_samples", [])
             + result.get("lost_live_samples", [])
             + result["hang_details"]
             + result["errors"]
-            + result.get("load_failures", [])
+            + failures
         )
-        for line in problems[:12] + log_summary(log_path):
+        for line in problems[:16] + log_summary(log_path):
             print(f"    {line}", flush=True)
         if problems:
             for line in result.get("timeline", []):
