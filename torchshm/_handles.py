@@ -355,11 +355,7 @@ def _finalized(token):
     starts a collection), so it never waits for the lock: the holder drops
     the token as it lets go (_locked)."""
     _dead.append(token)
-    if _lock.acquire(blocking=False):
-        try:
-            _drop_dead()
-        finally:
-            _lock.release()
+    _drop_dead_if_free()
 
 
 @contextlib.contextmanager
@@ -371,6 +367,11 @@ def _locked():
         _drop_dead()
         yield
         _drop_dead()
+    _drop_dead_if_free()
+
+
+def _drop_dead_if_free():
+    """Drops the queued tokens if _lock is free now (never waits for it)."""
     while _dead and _lock.acquire(blocking=False):
         try:
             _drop_dead()
