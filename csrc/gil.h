@@ -15,36 +15,45 @@ namespace torchshm {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // Once the interpreter has begun to finalize, CPython 3.9-3.13 ends any
 // other thread that comes back for the GIL with pthread_exit, which unwinds
-// that thread's stack. In pybind11's gil_scoped_release the GIL is taken
-// back in a destructor, which is noexcept: the unwinding stops there and
-// std::terminate aborts the whole process as it exits ("terminate called
-// without an active exception", exit status 134). A user's daemon thread
-// pickling a large array while the main thread returned was enough: 10 aborts
-// in 10 runs (tests/test_exit.py). So every GIL release in csrc/ is a
-// GilReleased:
-// - a thread that finds the interpreter finalizing never takes the GIL back:
-//   it waits for the exit that is under way to end it, as CPython 3.14 does
-//   with its own threads (Python code can no longer run in it anyway);
-// - one that finalization catches while it waits for the GIL is unwound from
-//   a destructor that lets the unwinding pass (noexcept(false)), up through
-//   pybind11 and every catch-all of ours (each rethrows abi::__forced_unwind:
-//   caught and not rethrown, it is a segfault) to the thread's start, as any
-//   Python thread is.
+// that thread's stack. Nothing on that stack may run then: the thread holds
+// no GIL, yet the destructors it unwinds drop Python references (a segment's
+// owning tensor: torch's dealloc then segfaulted, 3 exits in 40 on Python
+// 3.13), and a noexcept one (pybind11's gil_scoped_release) aborts the whole
+// process ("terminate called without an active exception"; a user's daemon
+// thread pickling a large array while the main thread returned: 10 aborts in
+// 10 runs, tests/test_exit.py). So every GIL release in csrc/ is a
+// GilReleased, which never lets that unwinding start:
+// - a thread that finds the interpreter finalizing never takes the GIL back;
+// - one that finalization catches while it waits for the GIL catches the
+//   forced unwind where it starts, in PyEval_RestoreThread, and stays there.
+// Either way the thread sleeps until the exit under way ends the process,
+// which is what CPython 3.14 does with its own threads (PyThread_hang_thread):
+// Python code can no longer run in it anyway. The catch-alls in csrc/ still
+// rethrow abi::__forced_unwind, for torch's own GIL releases (caught and not
+// rethrown, a forced unwind is a segfault).
 // The main thread is the one that finalizes (its own GIL is never refused):
 // it always takes the GIL back.
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
-  ~GilReleased() noexcept(false) {
+  ~GilReleased() {
     if (interpreter_finalizing() && ::syscall(SYS_gettid) != ::getpid()) {
-      for (;;) ::pause();  // the process's exit ends this thread
+      sleep_until_exit();
     }
-    PyEval_RestoreThread(state_);
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (abi::__forced_unwind&) {
+      sleep_until_exit();  // never rethrown: see the Note above
+    }
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
 
  private:
+  [[noreturn]] static void sleep_until_exit() {
+    for (;;) ::pause();  // the process's exit ends this thread
+  }
+
   PyThreadState* state_;
 };
 

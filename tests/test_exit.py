@@ -165,9 +165,10 @@ print("main returns", flush=True)
 
 def test_a_daemon_thread_copying_an_array_when_the_main_thread_returns_never_aborts():
     # Several moments, so that exits catch the thread mid-copy and waiting
-    # for the GIL (before the fix 10 of 10 aborted; with the GIL taken back
-    # in a destructor that let the unwinding out, 2 in 40 segfaulted in a
-    # catch-all that swallowed it).
+    # for the GIL (before the fix 10 of 10 aborted; while the thread was
+    # still unwound, 2 in 40 segfaulted in a catch-all that swallowed the
+    # unwinding, and on Python 3.13 3 in 40 in a tensor's dealloc run by the
+    # unwinding without the GIL).
     from tests.conftest import run_python
 
     # A session of its own: its messages are never read, and a message not
