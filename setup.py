@@ -41,6 +41,43 @@ def optimization_flags():
     return ["-O3", "-g0"]
 
 
+# The bindings' translation unit: module.cpp and the parts it calls in
+# bindings.h. Every other file of csrc/ is the mechanism's unit.
+BINDINGS = ("module.cpp", "layout_table.cpp", "testing.cpp")
+
+
+def translation_units():
+    """csrc/ compiled as two translation units, not one per file: each file
+    of csrc/ that uses torch pays about 10 s to parse and instantiate torch's
+    and pybind11's headers, whatever its own size; two units pay it twice and
+    keep both cores busy (18 files: 246 s of compiler, 124 s of wall on 2
+    cores; two units: docs/maintainers/building.md). Each unit is a file of
+    #includes written under build/, so that a compiler error still names the
+    file and line in csrc/. A name private to one file (static, or in an
+    anonymous namespace) must not be reused by another of its unit: that is
+    a compile error, or an overload that the other file may pick."""
+    files = sorted(
+        os.path.basename(p) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp"))
+    )
+    units = {
+        "bindings": [f for f in files if f in BINDINGS],
+        "mechanism": [f for f in files if f not in BINDINGS],
+    }
+    folder = os.path.join(HERE, "build", "units")
+    os.makedirs(folder, exist_ok=True)
+    sources = []
+    for name, members in units.items():
+        path = os.path.join(folder, f"{name}.cpp")
+        text = "// Written by setup.py (translation_units): edit csrc/, not this.\n"
+        text += "".join(f'#include "../../csrc/{m}"\n' for m in members)
+        # Rewritten only when it changes, so that ninja rebuilds only what did.
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, "w") as f:
+                f.write(text)
+        sources.append(os.path.relpath(path, HERE))
+    return sources
+
+
 # Recorded so that an import against another torch names both versions.
 with open(os.path.join(HERE, "torchshm", "_build_info.json"), "w") as f:
     json.dump({"torch": torch.__version__, "numpy": numpy.__version__}, f)
@@ -49,12 +86,7 @@ setup(
     ext_modules=[
         CppExtension(
             "torchshm._C",
-            # Relative to the project, as setuptools wants sources, but
-            # found from here: a build started elsewhere finds them too.
-            sorted(
-                os.path.relpath(p, HERE)
-                for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp"))
-            ),
+            translation_units(),
             include_dirs=[numpy.get_include()],
             define_macros=[
                 ("TORCHSHM_TORCH_VERSION", f'"{torch.__version__}"'),

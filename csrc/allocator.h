@@ -25,9 +25,9 @@
 // how many bytes the old block holds, so it cannot be moved).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
+
+#include "torch_api.h"
 
 namespace torchshm {
 

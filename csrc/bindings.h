@@ -1,7 +1,7 @@
 // Parts of the native module built outside module.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 namespace torchshm {
 

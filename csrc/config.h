@@ -2,7 +2,8 @@
 // Python hook (Note [The seam] in torchshm/_native.py).
 #pragma once
 
-#include <torch/extension.h>
+#include <Python.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cstdint>

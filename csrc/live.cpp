@@ -15,16 +15,12 @@ py::object referent(const py::object& weak) {
   return obj ? py::reinterpret_steal<py::object>(obj) : py::none();
 }
 
-namespace {
-
 py::object weak_ref(py::handle owner, py::handle callback) {
   PyObject* weak = PyWeakref_NewRef(
       owner.ptr(), callback.is_none() ? nullptr : callback.ptr());
   if (weak == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(weak);
 }
-
-}  // namespace
 
 py::object LiveViews::live(const Entry& entry, bool* revived) {
   py::object owner = referent(entry.weak);
@@ -47,8 +43,7 @@ py::object LiveViews::get(const std::string& name) {
 
 void LiveViews::remember(const std::string& name, py::handle owner,
                          py::handle callback) {
-  const at::Storage storage =
-      slot_owner_storage(THPVariable_Unpack(owner.ptr()));
+  const at::Storage storage = slot_owner_storage(unpack_tensor(owner));
   refs_.insert_or_assign(
       name, Entry{weak_ref(owner, callback), storage.getWeakStorageImpl()});
   if (refs_.size() > prune_at_) {

@@ -1,16 +1,18 @@
 // This process's live views, by segment name (Note [Live views]).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "torch_api.h"
 
 namespace torchshm {
 
 // The object a weak reference points to, or None if it is dead.
 py::object referent(const py::object& weak);
+// A weak reference to `owner`, calling `callback` (None: nothing) when it dies.
+py::object weak_ref(py::handle owner, py::handle callback = py::none());
 
 // Note [Live views]
 // A process keeps one view tensor per segment it uses: a segment arriving

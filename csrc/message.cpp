@@ -41,12 +41,6 @@ void end_write(bool written) {
   being_written.clear();
 }
 
-py::object weak_ref(const py::object& obj) {
-  PyObject* weak = PyWeakref_NewRef(obj.ptr(), nullptr);
-  if (weak == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(weak);
-}
-
 // Whether one of multiprocessing's message writers (Hooks::writers) is on
 // this thread's stack: then Connection._send_bytes writes what is being
 // pickled, in this thread, once pickling is done (see the Note).
@@ -130,7 +124,7 @@ py::object Message::ref(py::handle self, py::object owner, py::object name) {
 }
 
 py::tuple SegmentRef::reduce() const {
-  View* view = view_of(THPVariable_Unpack(owner.ptr()));
+  View* view = view_of(unpack_tensor(owner));
   TORCH_CHECK(view != nullptr, "a segment reference without its segment");
   // Raising here would lose the message: no ticket means the receiver loads
   // as a second load does (Note [Segment lifetime]), while our view keeps

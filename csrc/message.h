@@ -2,13 +2,12 @@
 // ForkingPickler reducer that uses them (Note [One message, one snapshot]).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
 #include <string>
 #include <unordered_map>
 
 #include "plan.h"
+#include "torch_api.h"
 
 namespace torchshm {
 

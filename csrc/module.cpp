@@ -3,8 +3,6 @@
 // torchshm._reduction.<name>), the layout table in layout_table.cpp, the
 // testing submodule in testing.cpp.
 #define TORCHSHM_IMPORT_ARRAY
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -33,6 +31,7 @@
 #include "stats.h"
 #include "table.h"
 #include "tensors.h"
+#include "torch_api.h"
 #include "views.h"
 
 namespace {

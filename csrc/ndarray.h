@@ -2,13 +2,12 @@
 // the GIL released, and rebuilding a view over a torch storage.
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
 #include <utility>
 #include <vector>
 
 #include "numpy_api.h"
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -76,8 +76,8 @@ bool set_sharing(bool on) { return std::exchange(sharing, on); }
 // Memory the NumPy allocator placed in a segment (Note [Born shared]) is
 // owned by the array itself: the chain ends at `nearest`, with no base.
 at::Tensor lookup_segment_owner(py::handle root, PyArrayObject* nearest) {
-  if (root && THPVariable_Check(root.ptr())) {
-    const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
+  if (root && is_tensor(root)) {
+    const at::Tensor& tensor = unpack_tensor(root);
     if (view_of(tensor) != nullptr) return tensor;
   }
   if (!root) return born_tensor(PyArray_DATA(nearest));
@@ -96,8 +96,7 @@ std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array) {
 
 py::object memory_owner(py::handle array) {
   auto [root, nearest] = base_chain(as_ndarray(array));
-  if (root && THPVariable_Check(root.ptr()))
-    return py::reinterpret_borrow<py::object>(root);
+  if (root && is_tensor(root)) return py::reinterpret_borrow<py::object>(root);
   const at::Tensor owner = lookup_segment_owner(root, nearest);
   return owner.defined() ? py::cast(owner) : py::none();
 }
@@ -132,7 +131,7 @@ Placement Plan::place(PyArrayObject* array) {
     if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
         !written()) {
       count(kArraysResent);
-      py::object ref_owner = root && THPVariable_Check(root.ptr())
+      py::object ref_owner = root && is_tensor(root)
                                  ? py::reinterpret_borrow<py::object>(root)
                                  : py::cast(owner);
       return Placement{Placement::kSegment,
@@ -143,8 +142,8 @@ Placement Plan::place(PyArrayObject* array) {
                        root,
                        nearest};
     }
-  } else if (root && THPVariable_Check(root.ptr())) {
-    const at::Tensor& tensor = THPVariable_Unpack(root.ptr());
+  } else if (root && is_tensor(root)) {
+    const at::Tensor& tensor = unpack_tensor(root);
     const int64_t offset =
         address_of(array) -
         reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
@@ -281,10 +280,9 @@ Placement Plan::copy_compacted(PyArrayObject* a) {
 }
 
 Plan::Target Plan::target_of(const py::object& owner) {
-  TORCH_CHECK(THPVariable_Check(owner.ptr()),
-              "expected allocate() to return a tensor, got ",
+  TORCH_CHECK(is_tensor(owner), "expected allocate() to return a tensor, got ",
               std::string(py::str(py::type::handle_of(owner))));
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  const at::Tensor& tensor = unpack_tensor(owner);
   View* view = view_of(tensor);
   py::object name = segment_name(tensor);
   return Target{owner, view ? view->segment : nullptr, std::move(name),

@@ -3,14 +3,13 @@
 // goes, and the copy itself (Note [Sender plan]).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
 
 #include "numpy_api.h"
 #include "segment.h"
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -25,8 +25,6 @@
 //   then calls Python's allocate, which does that bookkeeping.
 #pragma once
 
-#include <torch/extension.h>
-
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -35,6 +33,7 @@
 #include <vector>
 
 #include "segment.h"
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -36,11 +36,11 @@ py::object rebuild_over_mapping(py::handle owner, int64_t offset,
                                 const std::vector<int64_t>& strides,
                                 bool writeable) {
   using Mapping = Segment::Mapping;
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  const at::Tensor& tensor = unpack_tensor(owner);
   View* view = view_of(tensor);
   auto over = [&](py::handle mapped) {
-    return wrap_ndarray(THPVariable_Unpack(mapped.ptr()), offset, dtype, shape,
-                        strides, writeable);
+    return wrap_ndarray(unpack_tensor(mapped), offset, dtype, shape, strides,
+                        writeable);
   };
   if (view == nullptr || view->lease != nullptr) return over(owner);
   const Mapping kind = view->segment->snapshot() ? Mapping::kPrivate
@@ -49,9 +49,9 @@ py::object rebuild_over_mapping(py::handle owner, int64_t offset,
   const py::object mapped =
       mapped_object(owner, kind, config().policy.copy_threads);
   if (!mapped.is_none()) return over(mapped);
-  const py::object source = wrap_ndarray(
-      THPVariable_Unpack(mapped_object(owner, Mapping::kShared).ptr()), offset,
-      dtype, shape, strides, false);
+  const py::object source =
+      wrap_ndarray(unpack_tensor(mapped_object(owner, Mapping::kShared)),
+                   offset, dtype, shape, strides, false);
   PyObject* copy = PyArray_NewCopy(as_ndarray(source), NPY_KEEPORDER);
   if (copy == nullptr) throw py::error_already_set();
   if (!writeable)
@@ -73,7 +73,7 @@ PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
     return nullptr;
   }
   try {
-    if (!THPVariable_Check(args[0]))
+    if (!is_tensor(args[0]))
       throw py::type_error("rebuild_ndarray expected a tensor as owner, got " +
                            std::string(py::str(py::type::handle_of(args[0]))));
     const int64_t offset = py::cast<int64_t>(py::handle(args[1]));

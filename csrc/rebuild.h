@@ -1,9 +1,9 @@
 // The wire's native functions, the receiver's side (rebuild.cpp).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <string>
+
+#include "torch_api.h"
 
 namespace torchshm {
 

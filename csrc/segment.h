@@ -178,8 +178,8 @@
 // 0.37 s (a fresh page each) against 0.21 s through the shared one.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <sys/types.h>
-#include <torch/extension.h>
 
 #include <atomic>
 #include <condition_variable>

@@ -67,7 +67,7 @@ void Slabs::declined() {
 }
 
 void Slabs::open(py::object owner, bool reused) {
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  const at::Tensor& tensor = unpack_tensor(owner);
   View* view = view_of(tensor);
   TORCH_CHECK(view != nullptr, "torchshm: a slab must be a segment's view");
   auto* slab = new Slab{nullptr,
@@ -153,11 +153,15 @@ void Slabs::drop(Slab* slab) {
 // no message in flight and no pin. Cheap checks first: no system call
 // unless only slot 0 is taken.
 bool Slabs::rewind(Slab* slab) {
-  const at::Tensor& tensor = THPVariable_Unpack(slab->owner);
+  // Read before the tensor is unpacked: a second C++ reference to a tensor
+  // holds its Python object too (seen on torch 2.14).
+  if (Py_REFCNT(slab->owner) != 1) return false;
+  // Its tensor's two references: the slab's Python tensor's, and this one.
+  const at::Tensor tensor = unpack_tensor(slab->owner);
   Segment& segment = *slab->segment;
-  if (Py_REFCNT(slab->owner) != 1 || tensor.use_count() != 1 ||
-      tensor.storage().use_count() != 1 || segment.holders() != 1 ||
-      segment.unlinked() || !segment.reserve_for_reuse(0, 1))
+  if (tensor.use_count() != 2 || tensor.storage().use_count() != 1 ||
+      segment.holders() != 1 || segment.unlinked() ||
+      !segment.reserve_for_reuse(0, 1))
     return false;
   slab->used = 0;
   slab->dirty = true;

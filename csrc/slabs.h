@@ -37,10 +37,10 @@
 //   slab (kRetrySeconds).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstddef>
 #include <cstdint>
+
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -3,13 +3,12 @@
 // an unchanged array]).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
 
 #include "segment.h"
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -123,7 +123,7 @@ bool storage_written(const at::Tensor& tensor) {
 }
 
 py::object message_ref(py::handle owner) {
-  const View& view = checked_view(THPVariable_Unpack(owner.ptr()));
+  const View& view = checked_view(unpack_tensor(owner));
   py::object message = current_message();
   count(kStoragesSent);
   return message.cast<Message&>().ref(message,

@@ -2,9 +2,9 @@
 // and the one storage a process keeps per segment (Note [Tensor storages]).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cstdint>
+
+#include "torch_api.h"
 
 namespace torchshm {
 

@@ -191,7 +191,7 @@ at::Tensor mapped_tensor(const at::Tensor& owner, Segment::Mapping kind,
 }
 
 py::object mapped_object(py::handle owner, Segment::Mapping kind, int threads) {
-  const at::Tensor& tensor = THPVariable_Unpack(owner.ptr());
+  const at::Tensor& tensor = unpack_tensor(owner);
   const at::Tensor mapped = mapped_tensor(tensor, kind, threads);
   if (!mapped.defined()) return py::none();
   if (mapped.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl())
@@ -203,7 +203,7 @@ py::object mapped_object(py::handle owner, Segment::Mapping kind, int threads) {
 }
 
 py::object message_owner(py::handle owner, int threads) {
-  View* view = &checked_view(THPVariable_Unpack(owner.ptr()));
+  View* view = &checked_view(unpack_tensor(owner));
   if (view->segment->snapshot()) {
     py::object mine = mapped_object(owner, Segment::Mapping::kPrivate, threads);
     if (!mine.is_none()) return mine;

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <sys/types.h>
-#include <torch/extension.h>
 
 #include <atomic>
 #include <cstdint>
@@ -12,6 +11,7 @@
 
 #include "private_mappings.h"
 #include "segment.h"
+#include "torch_api.h"
 
 namespace torchshm {
 
