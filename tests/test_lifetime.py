@@ -680,6 +680,14 @@ def kill_and_expect_memory_back(process, names):
     assert not names & session_segments()
 
 
+def _ticketed():
+    """The session's segments with a message in flight. An earlier test's
+    message that was pickled but never written to a pipe is one of them
+    until the session ends (docs/guide/lifetime.md): a test that kills a
+    sender counts only those its sender made."""
+    return {n for n, s in keeper_segments().items() if s["tickets"]}
+
+
 def _fill(conn):
     """Fills a pipe until a write would block; returns what it took."""
     fd = conn.fileno()
@@ -698,6 +706,7 @@ def test_a_sender_killed_mid_write_frees_its_message_while_the_pipe_stays_open()
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
     _fill(writer)  # nobody reads: the sender's write blocks
+    earlier = _ticketed()
     ready = ctx.Queue()
     p = ctx.Process(
         target=lifetime_children.send_then_wait, args=(writer, 8 << 20, 1, ready)
@@ -707,10 +716,10 @@ def test_a_sender_killed_mid_write_frees_its_message_while_the_pipe_stays_open()
         assert ready.get(timeout=TIMEOUT) == "sending"
         # Its ticket is issued once the array is copied; then it writes.
         deadline = time.monotonic() + TIMEOUT
-        while not any(s["tickets"] for s in keeper_segments().values()):
+        while not _ticketed() - earlier:
             assert time.monotonic() < deadline, keeper_segments()
             time.sleep(0.02)
-        held = {n for n, s in keeper_segments().items() if s["tickets"]}
+        held = _ticketed() - earlier
         time.sleep(0.2)
         # The pipe is open in this process throughout; the half-written
         # message can never be read, so its memory goes.
@@ -728,6 +737,7 @@ def test_a_sender_killed_while_pickling_frees_its_message():
     # ticket by its writer alone.
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
+    earlier = _ticketed()
     ready = ctx.Queue()
     p = ctx.Process(
         target=lifetime_children.send_stalled, args=(writer, 8 << 20, ready)
@@ -735,7 +745,7 @@ def test_a_sender_killed_while_pickling_frees_its_message():
     p.start()
     try:
         assert ready.get(timeout=TIMEOUT) == "pickling"
-        held = {n for n, s in keeper_segments().items() if s["tickets"]}
+        held = _ticketed() - earlier
         assert held, keeper_segments()
         kill_and_expect_memory_back(p, held)
     finally:
