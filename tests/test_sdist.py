@@ -3,10 +3,11 @@ wheel builds from it with `pip wheel --no-build-isolation`, and the wheel
 installs into a fresh venv that already has torch (this environment's); the
 result imports and works from outside the source tree.
 
-It compiles the extension (about two minutes on two cores), so the build runs
-in the background from the start of the session (`start_build`, called by
-conftest when this test is selected; it is moved to the end; under xdist the
-controller starts it for its workers) and the test checks what it made."""
+It compiles the extension (half a minute on two cores, more beside the
+suite), so the build runs in the background from the start of the session
+(`start_build`, called by conftest when this test is selected; it is moved
+to the end; under xdist the controller starts it for its workers) and the
+test checks what it made."""
 
 import importlib.util
 import json
