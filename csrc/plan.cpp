@@ -75,11 +75,10 @@ bool set_sharing(bool on) { return std::exchange(sharing, on); }
 // works from the returned tensor (offsets are relative to its storage).
 // Memory the NumPy allocator placed in a segment (Note [Born shared]) is
 // owned by the array itself: the chain ends at `nearest`, with no base.
-at::Tensor lookup_segment_owner(py::handle root, PyArrayObject* nearest) {
-  if (root && is_tensor(root)) {
-    const at::Tensor& tensor = unpack_tensor(root);
-    if (view_of(tensor) != nullptr) return tensor;
-  }
+at::Tensor lookup_segment_owner(py::handle root, const at::Tensor& root_tensor,
+                                PyArrayObject* nearest) {
+  if (root_tensor.defined())
+    return view_of(root_tensor) != nullptr ? root_tensor : at::Tensor();
   if (!root) return born_tensor(PyArray_DATA(nearest));
   return at::Tensor();
 }
@@ -96,8 +95,9 @@ std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array) {
 
 py::object memory_owner(py::handle array) {
   auto [root, nearest] = base_chain(as_ndarray(array));
-  if (root && is_tensor(root)) return py::reinterpret_borrow<py::object>(root);
-  const at::Tensor owner = lookup_segment_owner(root, nearest);
+  const at::Tensor root_tensor = tensor_or_undefined(root);
+  if (root_tensor.defined()) return py::reinterpret_borrow<py::object>(root);
+  const at::Tensor owner = lookup_segment_owner(root, root_tensor, nearest);
   return owner.defined() ? py::cast(owner) : py::none();
 }
 
@@ -110,7 +110,8 @@ Placement Plan::place(PyArrayObject* array) {
     if (!spans) spans = byte_extent(array);
     return *spans;
   };
-  const at::Tensor owner = lookup_segment_owner(root, nearest);
+  const at::Tensor root_tensor = tensor_or_undefined(root);
+  const at::Tensor owner = lookup_segment_owner(root, root_tensor, nearest);
   if (owner.defined()) {
     // A segment whose name is gone (its session ended) cannot be mapped
     // by a receiver: snapshot the array instead.
@@ -131,7 +132,7 @@ Placement Plan::place(PyArrayObject* array) {
     if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
         !written()) {
       count(kArraysResent);
-      py::object ref_owner = root && is_tensor(root)
+      py::object ref_owner = root_tensor.defined()
                                  ? py::reinterpret_borrow<py::object>(root)
                                  : py::cast(owner);
       return Placement{Placement::kSegment,
@@ -142,11 +143,10 @@ Placement Plan::place(PyArrayObject* array) {
                        root,
                        nearest};
     }
-  } else if (root && is_tensor(root)) {
-    const at::Tensor& tensor = unpack_tensor(root);
+  } else if (root_tensor.defined()) {
     const int64_t offset =
         address_of(array) -
-        reinterpret_cast<int64_t>(tensor.storage().data_ptr().get());
+        reinterpret_cast<int64_t>(root_tensor.storage().data_ptr().get());
     return Placement{Placement::kTorchOwned,
                      py::reinterpret_borrow<py::object>(root),
                      py::none(),
@@ -280,9 +280,9 @@ Placement Plan::copy_compacted(PyArrayObject* a) {
 }
 
 Plan::Target Plan::target_of(const py::object& owner) {
-  TORCH_CHECK(is_tensor(owner), "expected allocate() to return a tensor, got ",
+  const at::Tensor tensor = tensor_or_undefined(owner);
+  TORCH_CHECK(tensor.defined(), "expected allocate() to return a tensor, got ",
               std::string(py::str(py::type::handle_of(owner))));
-  const at::Tensor& tensor = unpack_tensor(owner);
   View* view = view_of(tensor);
   py::object name = segment_name(tensor);
   return Target{owner, view ? view->segment : nullptr, std::move(name),

@@ -112,7 +112,9 @@ py::object memory_owner(py::handle array);
 
 // The tensor over the torchshm segment that holds an array's memory, or an
 // undefined tensor (see the definition: the one place a second source of
-// segment memory plugs in).
-at::Tensor lookup_segment_owner(py::handle root, PyArrayObject* nearest);
+// segment memory plugs in), from base_chain's root and the tensor it is, if
+// it is one (tensor_or_undefined(root), read once by the caller).
+at::Tensor lookup_segment_owner(py::handle root, const at::Tensor& root_tensor,
+                                PyArrayObject* nearest);
 
 }  // namespace torchshm

@@ -19,9 +19,10 @@
 namespace torchshm {
 namespace {
 
-// An array over segment `owner` (a Python tensor) through the mapping its
-// kind asks for (Note [Snapshots are mapped privately] in segment.h); over
-// `owner` itself when it is not a segment's (torch's own storage):
+// An array over segment `owner` (a Python tensor; `tensor` is its
+// at::Tensor) through the mapping its kind asks for (Note [Snapshots are
+// mapped privately] in segment.h); over `owner` itself when it is not a
+// segment's (torch's own storage):
 // - over a message's private mapping (a snapshot's, from attach): there,
 //   read-only or not;
 // - a snapshot handed over otherwise (its shared view itself): over a
@@ -30,25 +31,23 @@ namespace {
 //   over the segment's read-only (copy-on-write) mapping.
 // Where the mapping needed cannot be made here, a private copy of the
 // segment's bytes, with the array's flags.
-py::object rebuild_over_mapping(py::handle owner, int64_t offset,
-                                py::handle dtype,
+py::object rebuild_over_mapping(py::handle owner, const at::Tensor& tensor,
+                                int64_t offset, py::handle dtype,
                                 const std::vector<int64_t>& shape,
                                 const std::vector<int64_t>& strides,
                                 bool writeable) {
   using Mapping = Segment::Mapping;
-  const at::Tensor& tensor = unpack_tensor(owner);
   View* view = view_of(tensor);
-  auto over = [&](py::handle mapped) {
-    return wrap_ndarray(unpack_tensor(mapped), offset, dtype, shape, strides,
-                        writeable);
+  auto over = [&](const at::Tensor& mapped) {
+    return wrap_ndarray(mapped, offset, dtype, shape, strides, writeable);
   };
-  if (view == nullptr || view->lease != nullptr) return over(owner);
+  if (view == nullptr || view->lease != nullptr) return over(tensor);
   const Mapping kind = view->segment->snapshot() ? Mapping::kPrivate
                        : writeable               ? Mapping::kShared
                                                  : Mapping::kReadOnly;
   const py::object mapped =
       mapped_object(owner, kind, config().policy.copy_threads);
-  if (!mapped.is_none()) return over(mapped);
+  if (!mapped.is_none()) return over(unpack_tensor(mapped));
   const py::object source =
       wrap_ndarray(unpack_tensor(mapped_object(owner, Mapping::kShared)),
                    offset, dtype, shape, strides, false);
@@ -73,7 +72,8 @@ PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
     return nullptr;
   }
   try {
-    if (!is_tensor(args[0]))
+    const at::Tensor owner = tensor_or_undefined(args[0]);
+    if (!owner.defined())
       throw py::type_error("rebuild_ndarray expected a tensor as owner, got " +
                            std::string(py::str(py::type::handle_of(args[0]))));
     const int64_t offset = py::cast<int64_t>(py::handle(args[1]));
@@ -81,9 +81,9 @@ PyObject* rebuild_ndarray(PyObject* /*self*/, PyObject* const* args,
     const auto strides = py::cast<std::vector<int64_t>>(py::handle(args[4]));
     const int writeable = PyObject_IsTrue(args[5]);
     if (writeable < 0) throw py::error_already_set();
-    py::object array =
-        rebuild_over_mapping(py::handle(args[0]), offset, py::handle(args[2]),
-                             shape, strides, writeable != 0);
+    py::object array = rebuild_over_mapping(py::handle(args[0]), owner, offset,
+                                            py::handle(args[2]), shape, strides,
+                                            writeable != 0);
     count(kArraysReceived);
     if (args[6] == Py_None) return array.release().ptr();
     static PyObject* view_name = PyUnicode_InternFromString("view");

@@ -14,19 +14,18 @@
 
 namespace torchshm {
 
-// Whether `obj` is a torch.Tensor (or a subclass), and its at::Tensor if so
-// (undefined if not). Through torch's caster, whose load is
-// THPVariable_Check and THPVariable_Unpack out of line in libtorch_python:
-// torch's Python variable header would add 7 s of parse to the build.
+// The at::Tensor of `obj` if it is a torch.Tensor (or a subclass); an
+// undefined one for anything else, or no object. Through torch's caster,
+// whose load is THPVariable_Check and THPVariable_Unpack out of line in
+// libtorch_python: torch's Python variable header would add 7 s of parse to
+// the build. Each call takes a new reference (on torch 2.14 one that holds
+// the Python object too): read a tensor once, then use what it returned.
 inline at::Tensor tensor_or_undefined(py::handle obj) {
+  if (!obj) return at::Tensor();
   py::detail::make_caster<at::Tensor> caster;
   return caster.load(obj, /*convert=*/false)
              ? py::detail::cast_op<at::Tensor>(std::move(caster))
              : at::Tensor();
-}
-
-inline bool is_tensor(py::handle obj) {
-  return tensor_or_undefined(obj).defined();
 }
 
 // The at::Tensor of a torch.Tensor object (a new reference to its
