@@ -275,6 +275,11 @@ class Shared:
         # When a sender's exit finalizers had run (torchshm's hands what it
         # sent to a live keeper); 0: it died without them (SIGKILL, os._exit).
         self.exited = ctx.RawArray("d", senders)
+        # When a sender that ends with os._exit (no finalizers) was last
+        # alive: the driver sees its end later, by as much as a loaded
+        # machine delays it, and a message its receiver tried in between
+        # was tried after its sender's death, not before.
+        self.vanishing = ctx.RawArray("d", senders)
 
 
 def _limit_fds(soft):
@@ -336,13 +341,18 @@ def sender(cfg, s, channel, shared):
             time.sleep(rng.uniform(0, cfg["pause"]))
     if channel.kind == "queue":
         if shared.receiver_dead[owner]:
-            os._exit(0)  # its feeder may block on a pipe nobody reads
+            vanish(shared, s)  # its feeder may block on a pipe nobody reads
         channel.writer.close()
         channel.writer.join_thread()
         shared.confirmed[s] = sent
     if cfg["abrupt_exit"][s] and channel.kind != "queue":
         # "A sender may exit right after sending": no finalizers at all.
-        os._exit(0)
+        vanish(shared, s)
+
+
+def vanish(shared, s):
+    shared.vanishing[s] = time.monotonic()
+    os._exit(0)
 
 
 def mark(arrays):
@@ -976,7 +986,7 @@ def tally(cfg, shared, killed_senders, gone_senders, killed_receivers, keeper_ki
         tried = shared.tried[index] or float("inf")  # never arrived: not tried
         if exited:
             return any(exited < k < tried for k in keeper_kills)
-        death = gone_senders[s]
+        death = shared.vanishing[s] or gone_senders[s]
         return death < tried and any(
             begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE for k in keeper_kills
         )
