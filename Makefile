@@ -28,7 +28,7 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 # for each package they lack.
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: deps build test test-debian12 test-debian13 bench soak docs figures notebooks \
+.PHONY: deps build wheel test test-debian12 test-debian13 bench soak docs figures notebooks \
 	lint format lock clean
 
 # Installs only the Debian packages that are missing.
@@ -59,6 +59,15 @@ $(BUILT): $(SOURCES) $(STACK)
 	touch $@
 
 build: deps $(BUILT)
+
+# A wheel of torchshm for this environment's torch, to install where there is
+# no compiler: dist/torchshm-<version>+torch<X.Y>-<python>-<platform>.whl. The
+# label names the torch it runs beside (setup.py, version()); one wheel per
+# torch minor version and Python (docs/guide/install.md).
+wheel: build
+	TORCHSHM_TORCH_LABEL=1 MAX_JOBS=$$(nproc) $(PY) -m pip wheel -q --no-build-isolation \
+		--no-deps --no-index --wheel-dir dist . 2>&1 | $(QUIET_PIP)
+	@ls dist/torchshm-*+torch*.whl
 
 # Two pytest-xdist workers, each its own torchshm session: most tests wait on
 # the children they start, so a single worker keeps only ~1.3 of 2 cores busy.

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 try:
     import numpy
@@ -72,11 +73,34 @@ def translation_units():
         text = "// Written by setup.py (translation_units): edit csrc/, not this.\n"
         text += "".join(f'#include "../../csrc/{m}"\n' for m in members)
         # Rewritten only when it changes, so that ninja rebuilds only what did.
-        if not os.path.exists(path) or open(path).read() != text:
+        if _read(path) != text:
             with open(path, "w") as f:
                 f.write(text)
         sources.append(os.path.relpath(path, HERE))
     return sources
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def version():
+    """torchshm/_version.py's version (read, not imported: torchshm's import
+    needs its extension). A wheel made for others (`make wheel` sets
+    TORCHSHM_TORCH_LABEL=1) adds the torch it was built for as a local
+    label, 0.1.0+torch2.14, so that its name says what it runs with: the
+    extension imports only beside that torch's major.minor
+    (torchshm/_compat.py, check_native)."""
+    text = _read(os.path.join(HERE, "torchshm", "_version.py"))
+    base = re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+    if os.environ.get("TORCHSHM_TORCH_LABEL", "0") in ("", "0"):
+        return base
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return f"{base}+torch{major}.{minor}"
 
 
 # Recorded so that an import against another torch names both versions.
@@ -84,6 +108,7 @@ with open(os.path.join(HERE, "torchshm", "_build_info.json"), "w") as f:
     json.dump({"torch": torch.__version__, "numpy": numpy.__version__}, f)
 
 setup(
+    version=version(),
     ext_modules=[
         CppExtension(
             "torchshm._C",

@@ -1,7 +1,8 @@
 """Installable as users install it: the sdist carries every source file, a
-wheel builds from it with `pip wheel --no-build-isolation`, and the wheel
-installs into a fresh venv that already has torch (this environment's); the
-result imports and works from outside the source tree.
+wheel builds from it with `pip wheel --no-build-isolation`, as `make wheel`
+builds one (labelled with the torch it is for: 0.1.0+torch2.14), and the
+wheel installs into a fresh venv that already has torch (this environment's);
+the result imports and works from outside the source tree.
 
 It compiles the extension (half a minute on two cores, more beside the
 suite), so the build runs in the background from the start of the session
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import torchshm
 
@@ -98,7 +100,7 @@ def build(work):
             sys.executable,
             "-m",
             "pip",
-            "wheel",
+            "wheel",  # as `make wheel` builds one, with the torch label
             "-q",
             "--no-build-isolation",
             "--no-deps",  # torch and numpy: this environment's, whatever torch pins
@@ -109,7 +111,7 @@ def build(work):
             str(sdist),
         ],
         cwd=work,
-        env=env,
+        env=dict(env, TORCHSHM_TORCH_LABEL="1"),
         timeout=BUILD_TIMEOUT,
     )
     (wheel,) = dist.glob("torchshm-*.whl")
@@ -145,6 +147,11 @@ def _sees_this_environment(python):
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     inner = Path(run([str(python), "-c", purelib]).strip())
     (inner / "_outer_environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
+
+
+def torch_minor():
+    """This torch's major.minor, as in '2.14' (of '2.14.1+cu130')."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
 def build_env():
@@ -240,8 +247,10 @@ def discard_build():
 @pytest.mark.timeout(900)
 def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     built = start_build().wait(timeout=840)
+    # The sdist is unlabelled; the wheel names the torch it runs beside.
     assert built["sdist"] == f"torchshm-{torchshm.__version__}.tar.gz"
-    assert built["wheel"].startswith(f"torchshm-{torchshm.__version__}-cp")
+    labelled = f"{torchshm.__version__}+torch{torch_minor()}"
+    assert built["wheel"].startswith(f"torchshm-{labelled}-cp")
     members = set(built["members"])
     missing = sorted(set(built["expected"]) - members)
     assert not missing, f"the sdist lacks {missing}"
@@ -259,8 +268,8 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     path, version, metadata = json.loads(
         run([python, "-c", probe], cwd=elsewhere, env=env, timeout=120)
     )
-    assert Path(path).is_relative_to(Path(python).parents[1]) and version == metadata
-    assert version == torchshm.__version__
+    assert Path(path).is_relative_to(Path(python).parents[1])
+    assert version == torchshm.__version__ and metadata == labelled
     # The installed package's diagnostic report, spawn round trip included.
     report = json.loads(
         run(
