@@ -600,6 +600,60 @@ def test_the_keepers_judgments_out_of_fds_keep_memory():
     assert run.stdout.split("\n")[0] == "True [True, None, True]"
 
 
+def test_a_connection_accepted_while_the_keeper_drains_never_stalls_it():
+    """A fetch of a segment the keeper has not seen yet makes it read every
+    waiting request first (drain), accepting new connections too. The
+    listener was still on the list its select returned before: its accept
+    then waited for the next connection to come, blocking, while members
+    waited for answers (scripts/soak.py seed 31: a session's keeper stuck in
+    accept for good after a keeper kill, its receivers' loads failed)."""
+    session = "d4a1" + os.urandom(4).hex()
+    keeper = subprocess.Popen(
+        _protocol.command(sys.executable, session, _paths.run_dir(), 600),
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    path = _paths.socket_path(session)
+    sockets = []
+
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sockets.append(s)
+        s.settimeout(5.0)
+        s.connect(path)
+        return s
+
+    try:
+        assert keeper.stdout.read(1) == b"1"
+        fetcher = connect()
+        fetcher.send(b"j 1")
+        time.sleep(0.2)  # a member, its connection on the selector
+        # Stopped, so that the fetch and the new connection wait together:
+        # one select sees both, the fetch first.
+        os.kill(keeper.pid, signal.SIGSTOP)
+        fetcher.send(_protocol.fetch(0, 0x5EED))
+        time.sleep(0.05)
+        joiner = connect()
+        os.kill(keeper.pid, signal.SIGCONT)
+        assert fetcher.recv(64) == _protocol.NOT_FOUND
+        joiner.send(b"j 2")
+        joiner.send(_protocol.fetch(0, 0x5EED))
+        assert joiner.recv(64) == _protocol.NOT_FOUND  # not stalled
+        fetcher.close()
+        joiner.close()
+        keeper.wait(TIMEOUT)
+        assert keeper.returncode == 0
+    finally:
+        for s in sockets:
+            s.close()
+        if keeper.poll() is None:
+            os.kill(keeper.pid, signal.SIGCONT)
+            keeper.kill()
+            keeper.wait()
+        keeper.stdout.close()
+
+
 def test_the_keeper_survives_running_out_of_fds():
     session = "f100d" + os.urandom(4).hex()
     keeper = (

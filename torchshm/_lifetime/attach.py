@@ -8,6 +8,7 @@ import errno
 import functools
 import os
 import sys
+import time
 
 from torchshm import _config, _stats
 from torchshm._lifetime import expiry as _expiry
@@ -140,10 +141,14 @@ def _open(session, uid, index, creator_pid, creator_fd):
             os.close(fd)
         break
     else:
-        if _session.joined() is None:
-            # Not a member (_join_to_load): the keeper is the last place.
+        # The keeper is the last place: a load that fails loses its message,
+        # so a keeper that does not answer in time (a new one, taking its
+        # members' segments on a loaded machine) is asked again.
+        deadline = time.monotonic() + RECEIVE_PATIENCE
+        if _session.joined() is None:  # not a member yet (_join_to_load)
             _session.join(patience=RECEIVE_PATIENCE)
-        fd = _session.fetch(session, uid, index)
+        patience = max(0.0, deadline - time.monotonic())
+        fd = _session.fetch(session, uid, index, patience=patience)
         try:
             segment = _C.Segment.attach(fd, session, uid)
         finally:

@@ -288,11 +288,24 @@ def close_released():
             pass  # a keeper that died is replaced at the next request
 
 
-def fetch(session, uid, index):
+def fetch(session, uid, index, patience=0.0):
     """An fd of segment `uid` of `session`, from its keeper's socket (the
     caller closes it); raises SharedMemoryError(ENOENT) if the keeper has
-    none. Remembers the table of another session, so that this process can
-    flag that session's segments as its members do."""
+    none. With `patience`, asks a keeper that does not answer in time again
+    for that many seconds first, as join() does. Remembers the table of
+    another session, so that this process can flag that session's segments
+    as its members do."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return _fetch(session, uid, index)
+        except _C.SharedMemoryError as exc:
+            if exc.errno != errno.ETIMEDOUT or time.monotonic() >= deadline:
+                raise
+        time.sleep(min(0.1, max(0.0, _silent_until - time.monotonic())))
+
+
+def _fetch(session, uid, index):
     message = _protocol.fetch(index, uid)
     if session == session_id():
         with _lock:

@@ -283,6 +283,8 @@ class Keeper:
     def accept(self):
         try:
             conn, _ = self.listener.accept()
+        except BlockingIOError:
+            return  # accepted already, by a drain since the select
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 self.refuse()
@@ -633,6 +635,10 @@ def listen(session):
     path = paths.socket_path(session)
     paths.remove_socket(path)  # a dead keeper's: we hold the session's lock
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # Never waits in accept: a drain (Keeper.drain) can accept the connection
+    # that a select it runs inside saw, and that select's caller then
+    # accepts on a stale "ready".
+    listener.setblocking(False)
     try:
         listener.bind(path)  # only we can enter paths.run_dir(): no chmod needed
         listener.listen(128)
