@@ -3,12 +3,15 @@ with every warning an error; these run in `make test`): the README stays a
 landing page with its figure, every relative link in the README and the docs'
 Markdown resolves, and the API page names every public name once."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import script
+from tests.conftest import TIMEOUT, script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -29,6 +32,27 @@ def test_the_readme_is_a_landing_page_with_its_figure():
     assert len(readme.splitlines()) <= 250
     figures = re.findall(r"!\[[^\]]*\]\((docs/figures/[^)]+\.png)\)", readme)
     assert figures and all((ROOT / f).is_file() for f in figures), figures
+
+
+def test_the_readme_example_runs_and_prints_what_the_readme_says(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("## Example", 1)[1]
+    code = re.search(r"```python\n(.*?)```", example, re.S).group(1)
+    (tmp_path / "example.py").write_text(code)
+    run = subprocess.run(
+        [sys.executable, "example.py"],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHSHM_")},
+    )
+    assert run.returncode == 0, run.stderr
+    assert re.fullmatch(r"400 MB in \d+\.\d\d s, shared memory: True\n", run.stdout)
+    said = re.search(r"it prints `(400 MB in [^`]*)`", " ".join(example.split()))
+    assert said and re.fullmatch(
+        r"400 MB in \d+\.\d\d s, shared memory: True", said.group(1)
+    ), "the README quotes a line the example does not print"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
