@@ -33,13 +33,18 @@ namespace torchshm {
 // rethrown, a forced unwind is a segfault).
 // The main thread is the one that finalizes (its own GIL is never refused):
 // it always takes the GIL back.
+// Whether this thread is the process's main thread, the one that finalizes.
+inline bool on_main_thread() { return ::syscall(SYS_gettid) == ::getpid(); }
+
+[[noreturn]] inline void sleep_until_exit() {
+  for (;;) ::pause();  // the process's exit ends this thread
+}
+
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    if (interpreter_finalizing() && ::syscall(SYS_gettid) != ::getpid()) {
-      sleep_until_exit();
-    }
+    if (interpreter_finalizing() && !on_main_thread()) sleep_until_exit();
     try {
       PyEval_RestoreThread(state_);
     } catch (abi::__forced_unwind&) {
@@ -50,10 +55,6 @@ class GilReleased {
   GilReleased& operator=(const GilReleased&) = delete;
 
  private:
-  [[noreturn]] static void sleep_until_exit() {
-    for (;;) ::pause();  // the process's exit ends this thread
-  }
-
   PyThreadState* state_;
 };
 

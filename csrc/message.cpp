@@ -2,6 +2,7 @@
 
 #include <frameobject.h>
 
+#include <atomic>
 #include <utility>
 
 #include "config.h"
@@ -149,6 +150,22 @@ py::tuple SegmentRef::reduce() const {
                                        ticket, view->segment->generation()));
 }
 
+namespace {
+std::atomic<bool> exiting{false};
+std::atomic<int64_t> messages_alive{0};
+}  // namespace
+
+void begin_exit() { exiting.store(true); }
+int64_t live_messages() { return messages_alive.load(); }
+// Counted only off the main thread, which runs the exit hook itself (a
+// message of its own that something keeps alive must not delay every exit).
+Message::Message() : off_main_thread_(!on_main_thread()) {
+  if (off_main_thread_) messages_alive.fetch_add(1);
+}
+Message::~Message() {
+  if (off_main_thread_) messages_alive.fetch_sub(1);
+}
+
 py::object current_message() {
   static PyObject* key = PyUnicode_InternFromString("torchshm.message");
   PyObject* state = PyThreadState_GetDict();  // borrowed
@@ -159,6 +176,10 @@ py::object current_message() {
     if (!message.is_none()) return message;
   } else if (PyErr_Occurred()) {
     throw py::error_already_set();
+  }
+  if (exiting.load() && !on_main_thread()) {
+    PyEval_SaveThread();  // Note [Messages at exit]
+    sleep_until_exit();
   }
   // The previous message of this thread is done; if its tickets are still
   // "being written", it never was (see the Note).

@@ -52,9 +52,32 @@ namespace torchshm {
 // still remembered cancels them: that message was never written (its
 // pickling failed), and nobody can claim them.
 
+// Note [Messages at exit]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// torch releases the GIL whenever a tensor's Python object dies
+// (THPVariable_clear, inside a noexcept scope), so a thread other than the
+// main one whose pickler drops a message's last reference to a segment's
+// tensor once finalization has begun aborts the process as Note [The GIL at
+// exit] describes, out of our reach (1 to 3 exits in 100 of
+// tests/test_exit.py's daemon-thread sender, pip stack). So torchshm's exit
+// hook (torchshm/_lifetime/lifecycle.py, _exit) calls begin_exit() before
+// finalization: a message that another thread starts after that never
+// starts (the thread sleeps until the exit, GIL released: Python code can
+// no longer run in it anyway), and the hook waits, for a bounded time, for
+// the messages that other threads have under way to be done
+// (live_messages()). Queues' feeder threads are joined before the hook
+// runs: what they send is sent.
+void begin_exit();
+int64_t live_messages();
+
 class Message {
  public:
   Plan plan;
+
+  Message();
+  ~Message();
+  Message(const Message&) = delete;
+  Message& operator=(const Message&) = delete;
 
   // `self` is this Message's Python object, which the references it makes
   // keep alive.
@@ -66,6 +89,7 @@ class Message {
   py::object ref(py::handle self, py::object owner, py::object name);
 
  private:
+  const bool off_main_thread_;
   // segment name -> weak ref to its SegmentRef: a strong one would make a
   // cycle that keeps the message alive past its pickler, and a later message
   // would reuse a stale snapshot.

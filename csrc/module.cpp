@@ -147,6 +147,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("slot"), py::arg("holder"),
           "An int8 tensor over the data; its view owns `slot` (-1: none).");
   m.def("segments_with_fd", &torchshm::segments_with_fd);
+  m.def("begin_exit", &torchshm::begin_exit);
+  m.def("live_messages", &torchshm::live_messages);
   m.def("open_creator_fds", &torchshm::open_creator_fds);
   m.def("born_blocks", &torchshm::born_blocks,
         "Born blocks alive in this process (Note [Born shared]).");

@@ -177,3 +177,40 @@ def test_a_daemon_thread_copying_an_array_when_the_main_thread_returns_never_abo
     for delay in ("0.05", "0.13", "0.31", "0.52"):
         run = run_python(DAEMON_AT_EXIT, delay, env=env)
         assert (run.returncode, run.stdout) == (0, "main returns\n"), run.stderr[-2000:]
+
+
+# A thread that starts a message only once torchshm's exit hook has run (a
+# finalizer below the hook's priority lets it go), while the main thread's
+# next finalizer gives it time to finish, were it allowed to.
+SEND_AFTER_THE_EXIT_HOOK = """
+import threading, time
+import numpy as np
+import torchshm
+from multiprocessing import util
+from multiprocessing.reduction import ForkingPickler
+
+big = np.ones(1 << 20)
+go = threading.Event()
+
+def send_late():
+    go.wait()
+    ForkingPickler.dumps(big)
+    print("sent after the exit hook", flush=True)
+
+threading.Thread(target=send_late, daemon=True).start()
+ForkingPickler.dumps(big)  # the session, the pool: made before the exit
+util.Finalize(None, go.set, exitpriority=-200)
+util.Finalize(None, lambda: time.sleep(1.0), exitpriority=-300)
+print("main returns", flush=True)
+"""
+
+
+def test_no_thread_starts_a_message_once_the_exit_hook_has_run():
+    # Note [Messages at exit] in csrc/message.h: a message it made could
+    # drop a tensor during finalization, which torch's dealloc turns into an
+    # abort. The thread sleeps instead, and the exit goes on.
+    from tests.conftest import run_python
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
+    run = run_python(SEND_AFTER_THE_EXIT_HOOK, env=env)
+    assert (run.returncode, run.stdout) == (0, "main returns\n"), run.stderr[-2000:]

@@ -3,6 +3,7 @@
 """
 
 import os
+import time
 from multiprocessing import util
 
 from torchshm import _fallback, _stats
@@ -138,7 +139,17 @@ def _at_exit():
     util.Finalize(None, _exit, exitpriority=-100)
 
 
+# How long the exit hook waits for other threads' messages under way.
+_MESSAGES_AT_EXIT_SECONDS = 2.0
+
+
 def _exit():
+    # Note [Messages at exit] in csrc/message.h: no other thread starts a
+    # message from here on, and those under way end before finalization.
+    _C.begin_exit()
+    deadline = time.monotonic() + _MESSAGES_AT_EXIT_SECONDS
+    while _C.live_messages() and time.monotonic() < deadline:
+        time.sleep(0.001)
     # A keeper that died since the last check (about once a second) is
     # replaced now: what this process sent and nobody has loaded yet must
     # go to a keeper before this process's fds of it close.
