@@ -117,8 +117,8 @@ py::object Message::ref(py::handle self, py::object owner, py::object name) {
     if (!existing.is_none()) return existing;
   }
   py::object made =
-      py::cast(new SegmentRef{std::move(owner), std::move(name),
-                              py::reinterpret_borrow<py::object>(self)},
+      py::cast(new SegmentRef{py::reinterpret_borrow<py::object>(self),
+                              std::move(owner), std::move(name)},
                py::return_value_policy::take_ownership);
   refs_[std::move(key)] = weak_ref(made);
   return made;
@@ -159,11 +159,11 @@ void begin_exit() { exiting.store(true); }
 int64_t live_messages() { return messages_alive.load(); }
 // Counted only off the main thread, which runs the exit hook itself (a
 // message of its own that something keeps alive must not delay every exit).
-Message::Message() : off_main_thread_(!on_main_thread()) {
-  if (off_main_thread_) messages_alive.fetch_add(1);
+OffMainThreadCount::OffMainThreadCount() : counted_(!on_main_thread()) {
+  if (counted_) messages_alive.fetch_add(1);
 }
-Message::~Message() {
-  if (off_main_thread_) messages_alive.fetch_sub(1);
+OffMainThreadCount::~OffMainThreadCount() {
+  if (counted_) messages_alive.fetch_sub(1);
 }
 
 py::object current_message() {

@@ -70,14 +70,25 @@ namespace torchshm {
 void begin_exit();
 int64_t live_messages();
 
+// Counts a message made off the main thread while it lives (live_messages).
+class OffMainThreadCount {
+ public:
+  OffMainThreadCount();
+  ~OffMainThreadCount();
+  OffMainThreadCount(const OffMainThreadCount&) = delete;
+  OffMainThreadCount& operator=(const OffMainThreadCount&) = delete;
+
+ private:
+  const bool counted_;
+};
+
 class Message {
+  // First, so destroyed last: after every tensor the message holds (its
+  // plan's), whose dealloc releases the GIL.
+  OffMainThreadCount alive_;
+
  public:
   Plan plan;
-
-  Message();
-  ~Message();
-  Message(const Message&) = delete;
-  Message& operator=(const Message&) = delete;
 
   // `self` is this Message's Python object, which the references it makes
   // keep alive.
@@ -89,7 +100,6 @@ class Message {
   py::object ref(py::handle self, py::object owner, py::object name);
 
  private:
-  const bool off_main_thread_;
   // segment name -> weak ref to its SegmentRef: a strong one would make a
   // cycle that keeps the message alive past its pickler, and a later message
   // would reuse a stale snapshot.
@@ -101,9 +111,12 @@ class Message {
 // own, even when a nested dumps on this thread shares this object with an
 // outer message.
 struct SegmentRef {
+  // Keeps the message alive while the memo holds this. First, so released
+  // last: the message must be counted while `owner` dies (Note [Messages
+  // at exit]).
+  py::object message;
   py::object owner;  // a tensor over the segment
   py::object name;
-  py::object message;  // keeps the message alive while the memo holds this
   // (attach_segment, (locator, ticket, generation)).
   py::tuple reduce() const;
 };
