@@ -33,6 +33,7 @@ namespace torchshm {
 // rethrown, a forced unwind is a segfault).
 // The main thread is the one that finalizes (its own GIL is never refused):
 // it always takes the GIL back.
+
 // Whether this thread is the process's main thread, the one that finalizes.
 inline bool on_main_thread() { return ::syscall(SYS_gettid) == ::getpid(); }
 

@@ -163,6 +163,13 @@ print("main returns", flush=True)
 """
 
 
+def own_session_env():
+    """This environment without its session: a process of a session of its
+    own, whose unread messages keep nothing of ours (a message not sent
+    through a pipe keeps its memory until its session ends)."""
+    return {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
+
+
 def test_a_daemon_thread_copying_an_array_when_the_main_thread_returns_never_aborts():
     # Several moments, so that exits catch the thread mid-copy and waiting
     # for the GIL (before the fix 10 of 10 aborted; while the thread was
@@ -171,11 +178,8 @@ def test_a_daemon_thread_copying_an_array_when_the_main_thread_returns_never_abo
     # unwinding without the GIL).
     from tests.conftest import run_python
 
-    # A session of its own: its messages are never read, and a message not
-    # sent through a pipe keeps its memory until its session ends.
-    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
     for delay in ("0.05", "0.13", "0.31", "0.52"):
-        run = run_python(DAEMON_AT_EXIT, delay, env=env)
+        run = run_python(DAEMON_AT_EXIT, delay, env=own_session_env())
         assert (run.returncode, run.stdout) == (0, "main returns\n"), run.stderr[-2000:]
 
 
@@ -211,6 +215,5 @@ def test_no_thread_starts_a_message_once_the_exit_hook_has_run():
     # abort. The thread sleeps instead, and the exit goes on.
     from tests.conftest import run_python
 
-    env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_SESSION"}
-    run = run_python(SEND_AFTER_THE_EXIT_HOOK, env=env)
+    run = run_python(SEND_AFTER_THE_EXIT_HOOK, env=own_session_env())
     assert (run.returncode, run.stdout) == (0, "main returns\n"), run.stderr[-2000:]

@@ -608,12 +608,7 @@ def test_a_connection_accepted_while_the_keeper_drains_never_stalls_it():
     waited for answers (scripts/soak.py seed 31: a session's keeper stuck in
     accept for good after a keeper kill, its receivers' loads failed)."""
     session = "d4a1" + os.urandom(4).hex()
-    keeper = subprocess.Popen(
-        _protocol.command(sys.executable, session, _paths.run_dir(), 600),
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    keeper = start_keeper(session)
     path = _paths.socket_path(session)
     sockets = []
 
@@ -654,16 +649,21 @@ def test_a_connection_accepted_while_the_keeper_drains_never_stalls_it():
         keeper.stdout.close()
 
 
+def start_keeper(session, wrapper=()):
+    """A keeper of `session` of its own, as the library starts one; its
+    stdout says when it listens (one byte)."""
+    return subprocess.Popen(
+        [*wrapper, *_protocol.command(sys.executable, session, _paths.run_dir(), 600)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
 def test_the_keeper_survives_running_out_of_fds():
     session = "f100d" + os.urandom(4).hex()
     keeper = (
-        subprocess.Popen(
-            ["prlimit", "--nofile=24:24", sys.executable, "-I", "-S", _protocol.DAEMON]
-            + [session, _paths.run_dir(), "600"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        start_keeper(session, wrapper=["prlimit", "--nofile=24:24"])
         if shutil.which("prlimit")
         else None
     )

@@ -91,13 +91,24 @@ def join(patience=0.0):
     in time) is made anew by the next request that needs one."""
     if _session is not None:
         return
+
+    def attempt():
+        with _lock:
+            if _session is None:
+                _join(_config.env_setting(ENV_VAR))
+
+    _patiently(attempt, patience)
+
+
+def _patiently(attempt, patience):
+    """attempt(), tried again while it raises SharedMemoryError(ETIMEDOUT)
+    (a keeper that did not answer in time), for `patience` seconds; after a
+    timeout a keeper is not asked again for a deadline's length
+    (_silent_until): each new try waits for that."""
     deadline = time.monotonic() + patience
     while True:
         try:
-            with _lock:
-                if _session is None:
-                    _join(_config.env_setting(ENV_VAR))
-            return
+            return attempt()
         except _C.SharedMemoryError as exc:
             if exc.errno != errno.ETIMEDOUT or time.monotonic() >= deadline:
                 raise
@@ -295,14 +306,7 @@ def fetch(session, uid, index, patience=0.0):
     for that many seconds first, as join() does. Remembers the table of
     another session, so that this process can flag that session's segments
     as its members do."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            return _fetch(session, uid, index)
-        except _C.SharedMemoryError as exc:
-            if exc.errno != errno.ETIMEDOUT or time.monotonic() >= deadline:
-                raise
-        time.sleep(min(0.1, max(0.0, _silent_until - time.monotonic())))
+    return _patiently(lambda: _fetch(session, uid, index), patience)
 
 
 def _fetch(session, uid, index):
