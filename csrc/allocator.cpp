@@ -74,23 +74,30 @@ std::pair<py::object, bool> ask_source(size_t size) {
   return {std::move(owner), reused};
 }
 
-// A small block carved from a slab (Note [Small blocks]), or nullptr.
-void* take_small_block(size_t size, bool zeroed) {
+// A block carved from a slab, a new slab opened if needed (Note [Small
+// blocks]); an empty one where none can be had. Call with a PythonGuard
+// held.
+Slabs::Block carve_or_open(size_t size) {
   Slabs& all = slabs();
   Slabs::Block block = all.carve(size);
-  if (block.data == nullptr) {
-    if (!all.may_open()) {
-      count(kAllocationsFallback);
-      return nullptr;
-    }
-    auto [owner, reused] = ask_source(Slabs::kSlabBytes);
-    if (owner.is_none()) {
-      all.declined();
-      return nullptr;
-    }
-    all.open(std::move(owner), reused);
-    block = all.carve(size);
+  if (block.data != nullptr) return block;
+  if (!all.may_open()) {
+    count(kAllocationsFallback);
+    return {};
   }
+  auto [owner, reused] = ask_source(Slabs::kSlabBytes);
+  if (owner.is_none()) {
+    all.declined();
+    return {};
+  }
+  all.open(std::move(owner), reused);
+  return all.carve(size);
+}
+
+// A small block carved from a slab (Note [Small blocks]), or nullptr.
+void* take_small_block(size_t size, bool zeroed) {
+  const Slabs::Block block = carve_or_open(size);
+  if (block.data == nullptr) return nullptr;
   if (zeroed && block.dirty) std::memset(block.data, 0, size);
   blocks[reinterpret_cast<uintptr_t>(block.data)] = {nullptr, block.slab, size,
                                                      block.capacity};
@@ -214,6 +221,14 @@ void destroy_handler(PyObject* capsule) {
 }
 
 }  // namespace
+
+Slabs::Block carve_block(size_t size) {
+  TORCH_CHECK(size <= Slabs::kMaxBlock, "a block of ", size,
+              " bytes is larger than a slab's blocks");
+  if (!configured()) return {};
+  PythonGuard guard;
+  return carve_or_open(size);
+}
 
 py::object make_born_handler(int64_t min_bytes, py::object fallback) {
   TORCH_CHECK(min_bytes >= 1, "expected min_bytes >= 1, got ", min_bytes);

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "slabs.h"
 #include "torch_api.h"
 
 namespace torchshm {
@@ -47,6 +48,12 @@ py::object swap_numpy_handler(py::handle handler);  // returns the previous
 py::object born_owner(int64_t address);
 // The same for the sender's plan: undefined when `data` is not a born block.
 at::Tensor born_tensor(const void* data);
+
+// A block of `size` bytes (at most Slabs::kMaxBlock) carved from a slab, a
+// new slab taken from the born source if needed (tensors.h: small storages);
+// an empty Block where none can be had (a cap, memory full). The caller
+// owns it: Slabs::release once it is dead.
+Slabs::Block carve_block(size_t size);
 
 // Born blocks alive in this process.
 int64_t born_blocks();

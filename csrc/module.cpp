@@ -332,6 +332,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("segment_storage", &torchshm::segment_storage, py::arg("owner"),
         py::arg("nbytes"));
   m.def("message_ref", &torchshm::message_ref, py::arg("owner"));
+  // Small storages (tensors.h, Note [Small storages]).
+  m.def("carve_storage", &torchshm::carve_storage, py::arg("nbytes"),
+        "A storage carved from a slab (an int8 tensor), or None.");
+  m.def("move_storage_to_block", &torchshm::move_storage_to_block,
+        py::arg("tensor"));
+  m.def("block_of", &torchshm::block_of, py::arg("tensor"));
+  m.def("block_storage", &torchshm::block_storage, py::arg("owner"),
+        py::arg("offset"), py::arg("nbytes"));
   m.def("message_writing", &torchshm::message_writing, py::arg("pipe_inode"));
   m.def("message_written", &torchshm::message_written);
   m.def("message_not_written", &torchshm::message_not_written);

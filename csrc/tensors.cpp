@@ -3,12 +3,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
 
+#include "allocator.h"
 #include "gil.h"
 #include "message.h"
+#include "slabs.h"
 #include "stats.h"
 #include "views.h"
 
@@ -47,7 +51,120 @@ SegmentStorages& segment_storages() {
   return *storages;
 }
 
+// What a storage over a block of a slab holds (Note [Small storages]): the
+// sender's carved block, or a receiver's storage over the whole slab.
+struct BlockStorage {
+  std::string name;  // the slab's segment
+  int64_t offset;    // of the block in the segment's data
+  Slab* slab;        // the sender's: the block goes back to it
+  size_t capacity;   // bytes carved
+  at::Storage keep;  // a receiver's: the slab's storage (a View's)
+};
+
+void delete_block_storage(void* ctx) {
+  std::unique_ptr<BlockStorage> block(static_cast<BlockStorage*>(ctx));
+  if (block->slab == nullptr) return;  // keep's view needs no GIL to go
+  if (interpreter_finalizing() && !PyGILState_Check()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  slabs().release(block->slab, block->capacity);
+  PyGILState_Release(gil);
+}
+
+BlockStorage* block_context(const at::Storage& storage) {
+  if (!storage) return nullptr;
+  return storage.data_ptr().cast_context<BlockStorage>(&delete_block_storage);
+}
+
+std::string block_key(const std::string& name, int64_t offset) {
+  return name + "+" + std::to_string(offset);
+}
+
+// A DataPtr over a block carved for `nbytes`, remembered as the block's
+// storage once made; a null one where no slab can be had.
+at::DataPtr carved_data(int64_t nbytes) {
+  const Slabs::Block block = carve_block(static_cast<size_t>(nbytes));
+  if (block.data == nullptr) return at::DataPtr();
+  const at::Tensor& owner = unpack_tensor(Slabs::owner(block.slab));
+  const int64_t offset =
+      static_cast<uint8_t*>(block.data) -
+      static_cast<uint8_t*>(owner.storage().data_ptr().get());
+  auto* context = new BlockStorage{checked_view(owner).segment->name(), offset,
+                                   block.slab, block.capacity, at::Storage()};
+  return at::DataPtr(block.data, context, &delete_block_storage,
+                     at::Device(at::kCPU));
+}
+
+void remember_block(const at::Storage& storage) {
+  const BlockStorage* block = block_context(storage);
+  segment_storages().remember(block_key(block->name, block->offset), storage);
+}
+
 }  // namespace
+
+at::Tensor carve_storage(int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "expected a positive size, got ", nbytes);
+  at::DataPtr data = carved_data(nbytes);
+  if (!data) return at::Tensor();
+  at::Storage storage(at::Storage::use_byte_size_t(), nbytes, std::move(data),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+  remember_block(storage);
+  return tensor_of(std::move(storage));
+}
+
+bool move_storage_to_block(const at::Tensor& tensor) {
+  at::Storage storage = tensor.storage();
+  TORCH_CHECK(view_of(storage) == nullptr && block_context(storage) == nullptr,
+              "the storage is in torchshm's memory already");
+  const int64_t n = static_cast<int64_t>(storage.nbytes());
+  at::DataPtr data = carved_data(n);
+  if (!data) return false;
+  std::memcpy(data.get(), storage.data(), n);
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  // As move_storage: every tensor over this storage sees the block now.
+  at::DataPtr old = impl->set_data_ptr(std::move(data));
+  impl->set_resizable(false);
+  impl->set_allocator(nullptr);
+  remember_block(storage);
+  count(kStoragesMoved);
+  count(kBytesCopied, n);
+  return true;
+}
+
+py::object block_of(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return py::none();
+  const BlockStorage* block = block_context(tensor.storage());
+  if (block == nullptr) return py::none();
+  py::object owner =
+      block->slab != nullptr
+          ? py::reinterpret_borrow<py::object>(Slabs::owner(block->slab))
+          : py::cast(tensor_of(block->keep));
+  return py::make_tuple(std::move(owner), block->offset);
+}
+
+at::Tensor block_storage(const at::Tensor& owner, int64_t offset,
+                         int64_t nbytes) {
+  const std::shared_ptr<Segment>& segment = checked_view(owner).segment;
+  TORCH_CHECK(
+      0 < nbytes && 0 <= offset && offset <= segment->capacity() - nbytes,
+      "a block of ", nbytes, " bytes at ", offset,
+      " does not fit a segment of ", segment->capacity());
+  const std::string key = block_key(segment->name(), offset);
+  at::Storage live = segment_storages().get(key);
+  if (live && static_cast<int64_t>(live.nbytes()) == nbytes)
+    return tensor_of(std::move(live));
+  at::Storage keep(at::Storage::use_byte_size_t(), segment->capacity(),
+                   shared_alias(owner), /*allocator=*/nullptr,
+                   /*resizable=*/false);
+  uint8_t* data = static_cast<uint8_t*>(keep.data_ptr().get()) + offset;
+  auto* context =
+      new BlockStorage{segment->name(), offset, nullptr, 0, std::move(keep)};
+  at::Storage storage(
+      at::Storage::use_byte_size_t(), nbytes,
+      at::DataPtr(data, context, &delete_block_storage, at::Device(at::kCPU)),
+      /*allocator=*/nullptr, /*resizable=*/false);
+  segment_storages().remember(key, storage);
+  return tensor_of(std::move(storage));
+}
 
 void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
                   int threads) {

@@ -12,7 +12,8 @@ namespace torchshm {
 // A tensor sent with the tensor switch on (torchshm/_send/tensors.py) travels
 // as a reference to a segment that holds its whole storage, at the segment's
 // start: every storage over a segment starts at the segment's data, as every
-// view's does (offsets stay relative to it, Note [Sender plan]). Its storage
+// view's does (offsets stay relative to it, Note [Sender plan]); one of up to
+// 64 KiB is a block of a slab instead (Note [Small storages]). Its storage
 // gets there in one of two ways:
 // - it was born there: torchshm.empty, or UntypedStorage._new_shared (the
 //   default collate's batch) while the switch is on;
@@ -36,6 +37,44 @@ namespace torchshm {
 // writes into what others read.
 // Such storages cannot be resized (torch's own shared storages cannot
 // either): their allocator is none.
+
+// Note [Small storages]
+// A segment per storage costs a small tensor 64 KiB of shared memory (the
+// pool's smallest segment) and an fd while it lives: a batch's labels, a
+// model's biases. So a storage of up to Slabs::kMaxBlock bytes is carved
+// from a slab as a small array is (Note [Small blocks] in slabs.h), moved
+// there or born there, and travels as (the slab's segment, its offset):
+// the receiver holds a slot of the whole slab, maps it shared, and makes one
+// storage per block (a second arrival of the block is the same storage).
+// Such a storage's context is a BlockStorage, not a View: view_of does not
+// know it, so an array over its bytes (tensor.numpy()) travels as a copy,
+// like any memory that is not a segment's, and no offset computed against
+// a View's data can go wrong. The sender's block goes back to its slab when
+// its storage dies (under the GIL: the slabs are guarded by it; a storage
+// freed by a thread without it takes it, and one freed while the
+// interpreter finalizes from such a thread is left to the process's exit).
+// Where no slab can be had (a cap, memory full), the storage takes a
+// pooled segment of its own, as before.
+
+// A storage of `nbytes` (at most Slabs::kMaxBlock) carved from a slab, as an
+// int8 tensor over it; undefined where no slab can be had. Its bytes are not
+// cleared.
+at::Tensor carve_storage(int64_t nbytes);
+
+// Moves `tensor`'s storage (at most Slabs::kMaxBlock bytes) into a block
+// carved from a slab, in place as move_storage does; false where no slab
+// can be had.
+bool move_storage_to_block(const at::Tensor& tensor);
+
+// (the slab's segment tensor, the block's offset in it) for a storage over
+// a block of a slab, or None.
+py::object block_of(const at::Tensor& tensor);
+
+// This process's storage over the `nbytes` at `offset` of the segment behind
+// `owner` (a received slab): the live one if the block has one of that size,
+// else a new one, remembered.
+at::Tensor block_storage(const at::Tensor& owner, int64_t offset,
+                         int64_t nbytes);
 
 // Copies the bytes of `tensor`'s storage to the start of the segment behind
 // `owner` (a pooled view, at least as large; Segment::fill, with up to

@@ -1,9 +1,8 @@
 #!/bin/bash
 # PyTorch's own test/test_multiprocessing.py and test/test_dataloader.py, run
-# twice on one lane: once plain ("baseline") and once with torchshm's tensor
-# switch on in every Python process ("switch": TORCHSHM_TENSORS=1 and
-# `import torchshm` at interpreter start-up, through a sitecustomize.py put on
-# PYTHONPATH). It reports, per file and run, the counts of passed, failed,
+# twice on one lane: once plain ("baseline") and once with `import torchshm`
+# in every Python process at interpreter start-up, through a sitecustomize.py
+# put on PYTHONPATH ("default": its tensor path on, as a user gets it). It reports, per file and run, the counts of passed, failed,
 # skipped, xfailed, xpassed and errors, the wall time, and the tests whose
 # outcome differs from the baseline. Results: TORCH_SUITES_OUT/summary.txt, and
 # per run RUN/FILE.jsonl (each test's phases), RUN/FILE.log (pytest -rA
@@ -12,11 +11,12 @@
 #
 #   scripts/torch_suites.sh TESTS_DIR [RUN...]
 #
-# RUN is any of: baseline, switch, import (torchshm imported everywhere but
-# TORCHSHM_TENSORS=0: the array path alone), check (only checks that the
+# RUN is any of: baseline, default (torchshm imported everywhere with its own
+# defaults: what a user's `import torchshm` gives, tensors included), switch
+# (the same with TORCHSHM_TENSORS=1 set), import (torchshm imported everywhere
+# but TORCHSHM_TENSORS=0: the array path alone), check (only checks that the
 # import reaches spawned, forkserver and subprocess children), summary (only
-# the summary of what TORCH_SUITES_OUT holds). Default:
-# "baseline switch". A later call with other runs and the same
+# the summary of what TORCH_SUITES_OUT holds). Default: "baseline default". A later call with other runs and the same
 # TORCH_SUITES_OUT adds to the results and compares against the baseline
 # recorded there, so the baseline need not be run again.
 #
@@ -66,10 +66,10 @@ if [ "${1:-}" = extract ]; then  # extract LOG DIR
     exit 0
 fi
 
-TESTS=$(cd "${1:?usage: $0 TESTS_DIR [baseline|switch|import|check]...}" && pwd)
+TESTS=$(cd "${1:?usage: $0 TESTS_DIR [baseline|default|switch|import|check]...}" && pwd)
 shift
 RUNS=("$@")
-[ "${#RUNS[@]}" != 0 ] || RUNS=(baseline switch)
+[ "${#RUNS[@]}" != 0 ] || RUNS=(baseline default)
 PYTHON=${PYTHON:-python3}
 OUT=${TORCH_SUITES_OUT:-$PWD/torch_suites_results}
 mkdir -p "$OUT"
@@ -326,6 +326,8 @@ run_env() {  # run_env RUN: the environment of one run, as VAR=VALUE words
     [ -z "${TORCH_SUITES_PYDEPS:-}" ] || pypath+=("$TORCH_SUITES_PYDEPS")
     case "$1" in
     baseline) ;;
+    default) ENV_RUN=(TORCHSHM_SUITE_IMPORT=1 "${SWITCH_ENV[@]}")
+        pypath=("$HELP/site" "${pypath[@]}") ;;
     switch) ENV_RUN=(TORCHSHM_TENSORS=1 TORCHSHM_SUITE_IMPORT=1 "${SWITCH_ENV[@]}")
         pypath=("$HELP/site" "${pypath[@]}") ;;
     import) ENV_RUN=(TORCHSHM_TENSORS=0 TORCHSHM_SUITE_IMPORT=1 "${SWITCH_ENV[@]}")
@@ -369,7 +371,7 @@ run_file() {  # run_file RUN FILE
     log "$run: $file done in $wall s, pytest rc $rc: $(tail -n 1 "$dir/$name.log")"
 }
 
-[[ " ${RUNS[*]} " =~ \ (baseline|switch|import)\  ]] && {
+[[ " ${RUNS[*]} " =~ \ (baseline|default|switch|import)\  ]] && {
     echo "python: $("$PYTHON" -c 'import sys, torch, numpy; print(sys.version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)' 2>&1 | tail -n 1)"
     echo "tests: $TESTS"
     if git -C "$REPO" rev-parse HEAD >/dev/null 2>&1; then
@@ -378,7 +380,7 @@ run_file() {  # run_file RUN FILE
 } >>"$OUT/lane.txt"
 for run in "${RUNS[@]}"; do
     case "$run" in
-    baseline | switch | import) ;;
+    baseline | default | switch | import) ;;
     check) mkdir -p "$OUT/switch"; check_import switch; continue ;;
     summary) continue ;;
     *) log "unknown run $run"; exit 2 ;;

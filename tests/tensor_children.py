@@ -21,8 +21,11 @@ def start():
 
 
 def segment_name(tensor):
-    """The torchshm segment behind a tensor's storage, or None."""
-    segment = _C.segment_of(int8_tensor_over(untyped_storage(tensor)))
+    """The torchshm segment behind a tensor's storage (a slab's for a small
+    one), or None."""
+    view = int8_tensor_over(untyped_storage(tensor))
+    block = _C.block_of(view)
+    segment = _C.segment_of(view if block is None else block[0])
     return None if segment is None else segment.name
 
 
@@ -138,7 +141,8 @@ def send_under_fd_limit(inbox, outbox, count, hard):
     this process: it waits for the parent's word)."""
     start()
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    held = [torch.full((1024,), float(i)) for i in range(count)]
+    # 128 KiB each: a storage of up to 64 KiB takes a block of a slab, no fd.
+    held = [torch.full((1 << 15,), float(i)) for i in range(count)]
     for t in held:
         outbox.put(t)
     inbox.get()  # all received: the feeder pickled them all
@@ -170,4 +174,33 @@ def write_received_tensor(inbox, outbox, switch):
     first = int(tensor[at])
     tensor[at] = value
     outbox.put((first, int(tensor[at])))
+    inbox.get()
+
+
+def hold_small(inbox, outbox):
+    """Receives a list of small tensors and holds them: reports how many
+    hold their index, whether each lies in torchshm's memory, and this
+    process's open fds; then writes 99 into the first one's first element,
+    says so, and holds them until told to go."""
+    start()
+    held = inbox.get()
+    outbox.put(
+        dict(
+            good=sum(bool((t == i).all()) for i, t in enumerate(held)),
+            ours=sum(segment_name(t) is not None for t in held),
+            fds=len(os.listdir("/proc/self/fd")),
+        )
+    )
+    held[0][0] = 99
+    outbox.put("written")
+    inbox.get()
+
+
+def free_inherited_and_send(inbox, outbox):
+    """A forked child: drops the small tensor it inherited, then sends a new
+    small tensor (carved from a slab of its own) and its parent's values."""
+    start()
+    inherited = inbox.get()
+    outbox.put(torch.full((32,), 5.0))
+    del inherited
     inbox.get()

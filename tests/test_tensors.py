@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import torchshm
 from tests import tensor_children as tc
-from tests.conftest import TIMEOUT, run_python, stats_delta
+from tests.conftest import TIMEOUT, open_fds, run_python, stats_delta
 from tests.test_lifetime import kill_and_expect_memory_back
 from torchshm._compat import untyped_storage
+from torchshm._native import _C
 from torchshm._send import tensors as _tensors
 
 pytestmark = pytest.mark.multiprocess
@@ -163,6 +164,88 @@ def test_past_its_fd_share_the_sender_falls_back_to_torch_once(child, ctx):
     assert fallbacks == {"too many open files": count - through}
     del got
     c.send("done")
+
+
+# Small storages: blocks of slabs (Note [Small storages] in csrc/tensors.h) --
+
+
+@pytest.mark.parametrize("nbytes", [4, 4096, 64 << 10])
+def test_a_small_storage_is_a_block_of_a_slab_shared_both_ways(
+    ctx, child, switch_on, nbytes
+):
+    tensors = [torch.full((nbytes // 4,), i, dtype=torch.int32) for i in range(300)]
+    fds = open_fds()
+    c = child(ctx, tc.hold_small)
+    c.send(tensors)
+    seen = c.receive()
+    assert seen["good"] == seen["ours"] == 300
+    # A slab holds many: no segment, so no fd, per storage, here or there
+    # (the child's pipes and sentinel take a few).
+    slabs = -(-300 * nbytes // torchshm._C.SLAB_BYTES) + 1
+    assert len(open_fds() - fds) <= slabs + 8
+    assert seen["fds"] < 40
+    assert all(_C.block_of(_tensors.shared_view(untyped_storage(t))) for t in tensors)
+    assert c.receive() == "written"
+    assert tensors[0][0] == 99  # the child's write, here: one memory
+    assert all(bool((t == i).all()) for i, t in enumerate(tensors) if i)
+    c.send("go")
+
+
+def test_many_small_storages_cost_a_slab_not_a_segment_each(switch_on):
+    before = torchshm.stats()
+    shmem = _shmem_bytes()
+    tensors = [torch.ones(1024) for _ in range(1000)]  # 4 KiB each
+    pickle.loads(ForkingPickler.dumps(tensors))  # moves them (and reads the tickets)
+    after = stats_delta(before)
+    assert after["storages_moved"] == 1000
+    assert after["segments_created"] + after["segments_reused"] <= 8
+    # 4 MiB of bytes: a few 1 MiB slabs, not 1000 segments of 64 KiB.
+    assert _shmem_bytes() - shmem < 32 << 20
+    assert all(t.is_shared() for t in tensors)
+
+
+def _shmem_bytes():
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def test_new_shared_carves_small_storages_and_they_travel(switch_on):
+    storage = torch.UntypedStorage._new_shared(256)
+    assert storage.is_shared() and _C.block_of(_tensors.shared_view(storage))
+    tensor = torch.empty(0, dtype=torch.int64).set_(storage)
+    tensor.copy_(torch.arange(32))
+    back = pickle.loads(ForkingPickler.dumps(tensor))
+    # In one process the block's storage is found again: the same memory.
+    assert untyped_storage(back).data_ptr() == storage.data_ptr()
+    torch.testing.assert_close(back, torch.arange(32))
+
+
+def test_an_array_over_a_small_storage_arrives_with_its_bytes(ctx, child, switch_on):
+    tensor = torch.arange(100, dtype=torch.float32)
+    c = child(ctx, tc.echo)
+    c.send(tensor)  # moves the storage into a block
+    c.receive()
+    array = tensor.numpy()[10:20]  # an array over the block, at an offset
+    c.send(array)
+    back, _ = c.receive()
+    np.testing.assert_array_equal(back, np.arange(10, 20, dtype=np.float32))
+    c.send(None)
+
+
+def test_a_forked_child_frees_inherited_small_storages_and_carves_its_own(
+    child, switch_on
+):
+    inherited = torch.full((16,), 3.0)
+    pickle.loads(ForkingPickler.dumps(inherited))  # moved into a block
+    c = child(mp.get_context("fork"), tc.free_inherited_and_send)
+    c.send(inherited)
+    got = c.receive()
+    assert torch.equal(got, torch.full((32,), 5.0)) and got.is_shared()
+    assert torch.equal(inherited, torch.full((16,), 3.0))
+    c.send("go")
 
 
 # In this process: what stays torch's, and the switch itself -----------------

@@ -46,6 +46,13 @@ def rebuild_storage(owner, nbytes):
     return untyped_storage(_C.segment_storage(owner, nbytes))
 
 
+def rebuild_storage_block(owner, offset, nbytes):
+    """Rebuilds a small torch storage sent by reference: this process's one
+    storage over the `nbytes` at `offset` of `owner`'s segment, a slab
+    (Note [Small storages] in csrc/tensors.h)."""
+    return untyped_storage(_C.block_storage(owner, offset, nbytes))
+
+
 def rebuild_empty(*view):
     """Rebuilds a zero-size array (numpy's own pickle drops its byte order)."""
     return rebuild_ndarray(torch.empty(0, dtype=torch.int8), *view)

@@ -25,9 +25,9 @@ is on unless TORCHSHM_TENSORS=0. What differs from torch's path, as with
 share_memory_(): a storage moves in place when it is first sent (an ndarray
 made from the tensor before then no longer aliases it); a storage
 _new_shared makes is not zeroed (torch's callers, the default collate and
-checkpoint staging, overwrite every byte); a storage of a few KiB takes a
-pooled segment of its own (64 KiB, and an fd in its sender while it lives).
-Storages torch shared itself
+checkpoint staging, overwrite every byte). A storage of up to 64 KiB is a
+block of a slab (Note [Small storages] in csrc/tensors.h), larger ones a
+pooled segment each. Storages torch shared itself
 (share_memory_()) keep torch's path. Where shared memory fails, torch's own
 path carries the storage, with one warning (torchshm._fallback); the reducer
 never raises where torch's would not.
@@ -45,7 +45,7 @@ import torch
 from torchshm import _compat, _config, _fallback
 from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
-from torchshm._reduction import rebuild_storage
+from torchshm._reduction import rebuild_storage, rebuild_storage_block
 
 STORAGE = torch.UntypedStorage
 SWITCH = "TORCHSHM_TENSORS"
@@ -92,12 +92,17 @@ def read_switch() -> None:
     _enabled = bool(_config.env_setting(SWITCH, DEFAULT))
 
 
-def segment_view(storage) -> Optional[torch.Tensor]:
-    """An int8 tensor over `storage` if it is in a torchshm segment, else None."""
+def shared_view(storage) -> Optional[torch.Tensor]:
+    """An int8 tensor over `storage` if torchshm's memory holds it (a
+    segment, or a block of a slab), else None."""
     if storage.device.type != "cpu":
         return None
     view = _compat.int8_tensor_over(storage)
-    return view if _C.segment_of(view) is not None else None
+    return view if _in_torchshm(view) else None
+
+
+def _in_torchshm(view):
+    return _C.segment_of(view) is not None or _C.block_of(view) is not None
 
 
 def reduce_storage(storage):
@@ -105,22 +110,21 @@ def reduce_storage(storage):
     module's docstring)."""
     ours = False
     try:
-        view = segment_view(storage)
+        view = shared_view(storage)
         ours = view is not None
         if not ours:
             if not (_enabled and _movable(storage)):
                 return _torch_reduce(storage)
             view = _move(storage)
-        elif _C.storage_written(view):
+        block = _C.block_of(view)
+        if block is not None:
+            owner, offset = block
+            return _reference(rebuild_storage_block, owner, offset, storage.nbytes())
+        if _C.storage_written(view):
             # This process wrote pages of a snapshot it received (an array's
             # .base): they are its own, not the segment's.
             view = _snapshot(view)
-        if _C.segment_of(view).unlinked:
-            raise _C.SharedMemoryError(
-                errno.ENOENT,
-                "torchshm: the storage's segment is closed (its session ended)",
-            )
-        return rebuild_storage, (_C.message_ref(view), storage.nbytes())
+        return _reference(rebuild_storage, view, storage.nbytes())
     except Exception as exc:  # noqa: BLE001 - raising here loses the message
         _fallback.fall_back(
             exc, "sharing a tensor's storage", "torch's own sharing carries it"
@@ -128,6 +132,16 @@ def reduce_storage(storage):
         # torch's own sharing moves a storage into its memory in place: never
         # one of torchshm's, which arrays may lie over (they would dangle).
         return _torch_reduce(storage.clone() if ours else storage)
+
+
+def _reference(rebuild, owner, *where):
+    """(rebuild, (the message's reference to `owner`'s segment, *where))."""
+    if _C.segment_of(owner).unlinked:
+        raise _C.SharedMemoryError(
+            errno.ENOENT,
+            "torchshm: the storage's segment is closed (its session ended)",
+        )
+    return rebuild, (_C.message_ref(owner),) + where
 
 
 def _snapshot(view):
@@ -149,13 +163,17 @@ def _movable(storage):
 
 
 def _move(storage):
-    """Moves `storage` into a pooled segment in place (torch's
-    share_memory_(), into torchshm's memory); an int8 tensor over it."""
+    """Moves `storage` into torchshm's memory in place (torch's
+    share_memory_(), into a block of a slab up to SMALL_BLOCK_MAX bytes,
+    else a pooled segment); an int8 tensor over it."""
     with _move_lock:
-        view = segment_view(storage)  # another thread's move came first
-        if view is None:
+        view = _compat.int8_tensor_over(storage)
+        if _in_torchshm(view):  # another thread's move came first
+            return view
+        if not (
+            storage.nbytes() <= _C.SMALL_BLOCK_MAX and _C.move_storage_to_block(view)
+        ):
             owner = _segments.allocate(storage.nbytes(), populate=False)
-            view = _compat.int8_tensor_over(storage)
             _C.move_storage(view, owner, _config.copy_threads())
     return view
 
@@ -167,9 +185,14 @@ def _torch_reduce(storage):
 
 
 def new_storage(nbytes: int):
-    """A storage of `nbytes` in a pooled segment (its bytes are not
-    cleared: a reused segment holds what was there). Raises
-    SharedMemoryError if shared memory cannot hold it."""
+    """A storage of `nbytes` in torchshm's memory: a block of a slab up to
+    SMALL_BLOCK_MAX bytes, else a pooled segment (its bytes are not
+    cleared: reused memory holds what was there). Raises SharedMemoryError
+    if shared memory cannot hold it."""
+    if 0 < nbytes <= _C.SMALL_BLOCK_MAX:
+        carved = _C.carve_storage(nbytes)
+        if carved is not None:
+            return _compat.untyped_storage(carved)
     owner = _segments.allocate(max(1, nbytes))  # populated: torch writes it
     return _compat.untyped_storage(_C.segment_storage(owner, nbytes))
 
@@ -252,11 +275,11 @@ def _shape(size):
 
 
 def _is_shared(storage):
-    return segment_view(storage) is not None or _originals["is_shared"](storage)
+    return shared_view(storage) is not None or _originals["is_shared"](storage)
 
 
 def _share_memory_(storage, *args, **kwargs):
-    if segment_view(storage) is not None:
+    if shared_view(storage) is not None:
         return storage  # shared already: a move would detach the receivers
     return _originals["share_memory_"](storage, *args, **kwargs)
 
