@@ -89,13 +89,13 @@ void Slabs::release(Slab* slab, size_t capacity) {
   if (slab != current_) {
     retired_bytes_ -= static_cast<int64_t>(slab->capacity);
     drop(slab);
-  } else if (rewind(slab)) {
-    // No wake-up here: a loop of temporaries empties it every iteration.
-    // The expiry timer looks at it periodically while there is one.
-    slab->empty_since = monotonic_seconds();
   } else {
-    current_ = nullptr;
-    drop(slab);
+    // Rewound if nothing else can read it; else carving goes on past `used`,
+    // bytes no block ever had. No wake-up here: a loop of temporaries empties
+    // it every iteration. The expiry timer looks at it periodically while
+    // there is one.
+    rewind(slab);
+    slab->empty_since = monotonic_seconds();
   }
 }
 

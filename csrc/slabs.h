@@ -19,9 +19,12 @@
 //   start (generation bumped, as the pool does) only when none of its
 //   blocks is alive here and, by the pool's own rule, no slot but the
 //   creator's names a holder and no message is in flight (a receiver that
-//   holds any block holds the whole slab). A slab that cannot be rewound is
-//   let go once its last block dies, and the pool reuses or releases it
-//   like any other segment.
+//   holds any block holds the whole slab). The current slab that cannot be
+//   rewound is carved on past its used bytes, which no block ever had: a
+//   DataLoader worker's small batches, each held by the consumer, then
+//   share one slab instead of taking one each. A retired slab is let go once
+//   its last block dies, and the pool reuses or releases it like any other
+//   segment.
 // - A forked child inherits the blocks and the slabs' views, but never
 //   carves or rewinds: its parent carves the same slabs.
 // - An empty current slab is kept for the next block (a loop of

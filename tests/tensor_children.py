@@ -204,3 +204,13 @@ def free_inherited_and_send(inbox, outbox):
     outbox.put(torch.full((32,), 5.0))
     del inherited
     inbox.get()
+
+
+def send_small_one_by_one(inbox, outbox, count):
+    """Sends `count` small tensors, one message each, each dropped here and
+    received there before the next is made; then waits for the word."""
+    start()
+    for i in range(count):
+        outbox.put(torch.full((64,), float(i)))
+        inbox.get()
+    inbox.get()

@@ -191,6 +191,21 @@ def test_a_small_storage_is_a_block_of_a_slab_shared_both_ways(
     c.send("go")
 
 
+def test_small_storages_a_consumer_keeps_share_their_senders_slab(ctx, child):
+    # A DataLoader's labels: each batch's block dies in its worker once sent,
+    # while the main process keeps the batch. The worker carves on in the
+    # same slab (Note [Small blocks] in csrc/slabs.h), not a slab per batch.
+    count = 64
+    c = child(ctx, tc.send_small_one_by_one, count)
+    kept = []
+    for _ in range(count):
+        kept.append(c.receive())
+        c.send("next")
+    assert [float(t[0]) for t in kept] == [float(i) for i in range(count)]
+    assert len({tc.segment_name(t) for t in kept}) == 1
+    c.send("go")
+
+
 def test_many_small_storages_cost_a_slab_not_a_segment_each(switch_on):
     before = torchshm.stats()
     shmem = _shmem_bytes()
