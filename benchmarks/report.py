@@ -241,15 +241,16 @@ def plot(result, ax=None):
     if "lines" in result.summary:
         return _plot_lines(result, result.summary["lines"], ax)
     cases, methods = result.cases(), result.methods()
+    scale = (1 << 30) if result.unit == "B" else 1  # bytes are shown in GiB
     x = list(range(len(cases)))
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
         rows = [result.get(case, method) for case in cases]
         xs = [j for j, row in zip(x, rows) if row]
-        med = [row["median"] for row in rows if row]
+        med = [row["median"] / scale for row in rows if row]
         err = [
-            [row["median"] - row["min"] for row in rows if row],
-            [row["max"] - row["median"] for row in rows if row],
+            [(row["median"] - row["min"]) / scale for row in rows if row],
+            [(row["max"] - row["median"]) / scale for row in rows if row],
         ]
         label = LABELS.get(method, method)
         # With the peers there are more methods than the default 10 colours.
@@ -265,10 +266,14 @@ def plot(result, ax=None):
     ax.set_xticklabels(cases, rotation=30 if len(cases) > 4 else 0, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("GiB" if result.unit == "B" else "seconds (lower is better)")
-    if result.unit == "B":
-        ax.yaxis.set_major_formatter(
-            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / (1 << 30):.2g}")
-        )
+    if result.unit == "B":  # GiB as plain numbers (0.2, 3), not 2e-01 or 3x10^0
+
+        class Plain(matplotlib.ticker.LogFormatter):
+            def __call__(self, v, pos=None):  # the ticks it labels, as %g
+                return f"{v:g}" if super().__call__(v, pos) else ""
+
+        ax.yaxis.set_major_formatter(Plain())
+        ax.yaxis.set_minor_formatter(Plain())
     ax.set_title(result.title)
     ax.grid(True, which="both", axis="y", alpha=0.3)
     ax.legend(fontsize=8)

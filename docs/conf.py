@@ -20,7 +20,8 @@ copyright = "2026, the torchshm authors"
 extensions = ["myst_parser", "sphinx.ext.napoleon", "torchshm_docs"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-# figures/reference-run.md is included by benchmarks.md, not a page of its own.
+# figures/reference-run.md is not a page of its own: the site shows it in
+# benchmarks.md, where that page links to it (INCLUDED_LINKS, _ext/torchshm_docs.py).
 exclude_patterns = ["_build", "figures/reference-run.md"]
 # Markdown headings get anchors that pages can link to (`page.md#anchor`).
 myst_heading_anchors = 3

@@ -1,7 +1,9 @@
 """The docs cannot rot unseen between `make docs` runs (CI builds the site
 with every warning an error; these run in `make test`): the README stays a
-landing page with its figure, every relative link in the README and the docs'
-Markdown resolves, and the API page names every public name once."""
+landing page with its figure, the README's and the DataLoader guide's
+examples run and print what their pages quote, every relative link in the
+README and the docs' Markdown resolves, and the API page names every public
+name once."""
 
 import os
 import re
@@ -34,10 +36,23 @@ def test_the_readme_is_a_landing_page_with_its_figure():
     assert figures and all((ROOT / f).is_file() for f in figures), figures
 
 
-def test_the_readme_example_runs_and_prints_what_the_readme_says(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("## Example", 1)[1]
-    code = re.search(r"```python\n(.*?)```", example, re.S).group(1)
+# A page's runnable example: the page, where the example starts (its first
+# Python block from there), and the line it prints, which the page quotes.
+EXAMPLES = {
+    "README.md": ("## Example", r"400 MB in \d+\.\d\d s, shared memory: True"),
+    "docs/guide/dataloader.md": (
+        "# DataLoader",
+        r"8 batches of \(32, 3, 224, 224\) in \d+\.\d\d s, shared memory: True",
+    ),
+}
+
+
+@pytest.mark.parametrize("page", EXAMPLES)
+def test_the_example_runs_and_prints_what_its_page_says(page, tmp_path):
+    start, printed = EXAMPLES[page]
+    text = (ROOT / page).read_text()
+    example = text[text.index(start) :]
+    code, after = re.search(r"```python\n(.*?)```(.*)", example, re.S).groups()
     (tmp_path / "example.py").write_text(code)
     run = subprocess.run(
         [sys.executable, "example.py"],
@@ -48,11 +63,11 @@ def test_the_readme_example_runs_and_prints_what_the_readme_says(tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith("TORCHSHM_")},
     )
     assert run.returncode == 0, run.stderr
-    assert re.fullmatch(r"400 MB in \d+\.\d\d s, shared memory: True\n", run.stdout)
-    said = re.search(r"it prints `(400 MB in [^`]*)`", " ".join(example.split()))
+    assert re.fullmatch(printed + r"\n", run.stdout), run.stdout
+    said = re.search(r"it prints `([^`]*)`", " ".join(after.split()))
     assert said and re.fullmatch(
-        r"400 MB in \d+\.\d\d s, shared memory: True", said.group(1)
-    ), "the README quotes a line the example does not print"
+        printed, said.group(1)
+    ), f"{page} quotes a line the example does not print"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -187,7 +187,32 @@ def _forget_rendered(app, env, docname):
             places.remove(docname)
 
 
+# A page's links that the site replaces with the linked file, included as
+# MyST's {include} with these options. A code host shows an {include} as raw
+# text, so the page links to the file (on a line of its own), which a code
+# host renders, and the site shows it in place (the site has no page for it).
+INCLUDED_LINKS = {
+    "benchmarks": {
+        "figures/reference-run.md": [":relative-images:"],
+        "../benchmarks/README.md": [
+            ':start-after: "<!-- docs: start -->"',
+            ':end-before: "<!-- docs: end -->"',
+        ],
+    },
+}
+
+
+def _include_linked_files(app, docname, source):
+    for target, options in INCLUDED_LINKS.get(docname, {}).items():
+        line = re.compile(rf"^.*\]\({re.escape(target)}\).*$", re.M)
+        directive = "\n".join([f"```{{include}} {target}", *options, "```"])
+        source[0], count = line.subn(lambda _: directive, source[0])
+        if count != 1:
+            logger.warning(f"{docname}: {count} lines link to {target}, not 1")
+
+
 def setup(app):
+    app.connect("source-read", _include_linked_files)
     app.add_config_value("torchshm_api_json", "", "env")
     app.add_config_value("torchshm_source_root", "", "env")
     app.add_directive("torchshm-api", ApiDirective)
