@@ -17,11 +17,11 @@ Note [Tensors by default]
 Most pipelines use the default collate, which turns NumPy samples into
 tensor batches: with the switch off, importing torchshm did nothing for
 them (their batches went through /dev/shm files, and failed in Docker's
-64 MiB). When the switch was added, torch's own test_multiprocessing.py and
-test_dataloader.py gave the same outcomes with it on in every process as
-without torchshm, on every lane (but for test_fs, which looks for torch's
-files in /dev/shm; scripts/torch_suites.sh, docs/guide/tensors.md), so it
-is on unless TORCHSHM_TENSORS=0. What differs from torch's path, as with
+64 MiB). torch's own test_multiprocessing.py and test_dataloader.py give
+the same outcomes with torchshm imported in every process as without it, on
+every lane (but for test_fs, which looks for torch's files in /dev/shm;
+scripts/torch_suites.sh, docs/guide/tensors.md), so it is on unless
+TORCHSHM_TENSORS=0. What differs from torch's path, as with
 share_memory_(): a storage moves in place when it is first sent (an ndarray
 made from the tensor before then no longer aliases it); a storage
 _new_shared makes is not zeroed (torch's callers, the default collate and
