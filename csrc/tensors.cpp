@@ -99,6 +99,30 @@ void remember_block(const at::Storage& storage) {
   segment_storages().remember(block_key(block->name, block->offset), storage);
 }
 
+// Copies all of `storage`'s bytes to the start of `segment`'s data.
+void fill_from(Segment& segment, const at::Storage& storage, int threads) {
+  const int64_t n = static_cast<int64_t>(storage.nbytes());
+  TORCH_CHECK(n <= segment.capacity(), "a storage of ", n,
+              " bytes does not fit a segment of ", segment.capacity());
+  const auto* src = static_cast<const uint8_t*>(storage.data());
+  // The caller holds the storage, and its policy lock keeps any other thread
+  // from moving it meanwhile (torchshm/_send/tensors.py).
+  GilReleased no_gil;  // Note [The GIL at exit] in gil.h
+  segment.fill(0, src, n, threads);
+}
+
+// What torch's share_memory_() does with its /dev/shm file: every tensor
+// over `storage` sees `data` (holding a copy of its bytes) from now on; the
+// old bytes are freed here.
+void move_to(const at::Storage& storage, at::DataPtr data) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  at::DataPtr old = impl->set_data_ptr(std::move(data));
+  impl->set_resizable(false);
+  impl->set_allocator(nullptr);
+  count(kStoragesMoved);
+  count(kBytesCopied, static_cast<int64_t>(storage.nbytes()));
+}
+
 }  // namespace
 
 at::Tensor carve_storage(int64_t nbytes) {
@@ -119,14 +143,8 @@ bool move_storage_to_block(const at::Tensor& tensor) {
   at::DataPtr data = carved_data(n);
   if (!data) return false;
   std::memcpy(data.get(), storage.data(), n);
-  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  // As move_storage: every tensor over this storage sees the block now.
-  at::DataPtr old = impl->set_data_ptr(std::move(data));
-  impl->set_resizable(false);
-  impl->set_allocator(nullptr);
+  move_to(storage, std::move(data));
   remember_block(storage);
-  count(kStoragesMoved);
-  count(kBytesCopied, n);
   return true;
 }
 
@@ -172,26 +190,9 @@ void move_storage(const at::Tensor& tensor, const at::Tensor& owner,
   at::Storage storage = tensor.storage();
   TORCH_CHECK(view_of(storage) == nullptr,
               "the storage is in a torchshm segment already");
-  const int64_t n = static_cast<int64_t>(storage.nbytes());
-  TORCH_CHECK(n <= segment->capacity(), "a storage of ", n,
-              " bytes does not fit a segment of ", segment->capacity());
-  const auto* src = static_cast<const uint8_t*>(storage.data());
-  {
-    // The caller holds the storage, and its policy lock keeps any other
-    // thread from moving it meanwhile (torch/_send/tensors.py).
-    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
-    segment->fill(0, src, n, threads);
-  }
-  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  // What torch's share_memory_() does with its /dev/shm file: every tensor
-  // over this storage sees the segment from now on; the old bytes are freed
-  // when `old` goes.
-  at::DataPtr old = impl->set_data_ptr(shared_alias(owner));
-  impl->set_resizable(false);
-  impl->set_allocator(nullptr);
+  fill_from(*segment, storage, threads);
+  move_to(storage, shared_alias(owner));
   segment_storages().remember(segment->name(), storage);
-  count(kStoragesMoved);
-  count(kBytesCopied, n);
 }
 
 at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes) {
@@ -218,18 +219,11 @@ at::Tensor segment_storage(const at::Tensor& owner, int64_t nbytes) {
 void snapshot_storage(const at::Tensor& tensor, const at::Tensor& owner,
                       int threads) {
   const std::shared_ptr<Segment> segment = checked_view(owner).segment;
-  at::Storage storage = tensor.storage();
-  const int64_t n = static_cast<int64_t>(storage.nbytes());
-  TORCH_CHECK(n <= segment->capacity(), "a storage of ", n,
-              " bytes does not fit a segment of ", segment->capacity());
-  const auto* src = static_cast<const uint8_t*>(storage.data());
-  {
-    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
-    segment->fill(0, src, n, threads);
-  }
+  const at::Storage storage = tensor.storage();
+  fill_from(*segment, storage, threads);
   segment->mark_snapshot();
   count(kStoragesCopied);
-  count(kBytesCopied, n);
+  count(kBytesCopied, static_cast<int64_t>(storage.nbytes()));
 }
 
 bool storage_written(const at::Tensor& tensor) {
