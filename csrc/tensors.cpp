@@ -79,8 +79,8 @@ std::string block_key(const std::string& name, int64_t offset) {
   return name + "+" + std::to_string(offset);
 }
 
-// A DataPtr over a block carved for `nbytes`, remembered as the block's
-// storage once made; a null one where no slab can be had.
+// A DataPtr over a block carved for `nbytes` (the block goes back to its
+// slab when the DataPtr is freed), or a null one where no slab can be had.
 at::DataPtr carved_data(int64_t nbytes) {
   const Slabs::Block block = carve_block(static_cast<size_t>(nbytes));
   if (block.data == nullptr) return at::DataPtr();
