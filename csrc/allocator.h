@@ -49,10 +49,10 @@ py::object born_owner(int64_t address);
 // The same for the sender's plan: undefined when `data` is not a born block.
 at::Tensor born_tensor(const void* data);
 
-// A block of `size` bytes (at most Slabs::kMaxBlock) carved from a slab, a
-// new slab taken from the born source if needed (tensors.h: small storages);
-// an empty Block where none can be had (a cap, memory full). The caller
-// owns it: Slabs::release once it is dead.
+// A block of `size` bytes carved from a slab, a new slab taken from the born
+// source if needed (tensors.h: small storages); an empty Block where none can
+// be had (larger than Slabs::kMaxBlock, a cap, memory full). The caller owns
+// it: Slabs::release once it is dead.
 Slabs::Block carve_block(size_t size);
 
 // Born blocks alive in this process.

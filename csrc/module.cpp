@@ -338,6 +338,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("move_storage_to_block", &torchshm::move_storage_to_block,
         py::arg("tensor"));
   m.def("block_of", &torchshm::block_of, py::arg("tensor"));
+  m.def("in_torchshm_memory", &torchshm::in_torchshm_memory, py::arg("tensor"));
   m.def("block_storage", &torchshm::block_storage, py::arg("owner"),
         py::arg("offset"), py::arg("nbytes"));
   m.def("message_writing", &torchshm::message_writing, py::arg("pipe_inode"));

@@ -159,6 +159,12 @@ py::object block_of(const at::Tensor& tensor) {
   return py::make_tuple(std::move(owner), block->offset);
 }
 
+bool in_torchshm_memory(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return false;
+  return view_of(tensor) != nullptr ||
+         block_context(tensor.storage()) != nullptr;
+}
+
 at::Tensor block_storage(const at::Tensor& owner, int64_t offset,
                          int64_t nbytes) {
   const std::shared_ptr<Segment>& segment = checked_view(owner).segment;

@@ -56,19 +56,23 @@ namespace torchshm {
 // Where no slab can be had (a cap, memory full), the storage takes a
 // pooled segment of its own, as before.
 
-// A storage of `nbytes` (at most Slabs::kMaxBlock) carved from a slab, as an
-// int8 tensor over it; undefined where no slab can be had. Its bytes are not
-// cleared.
+// A storage of `nbytes` carved from a slab, as an int8 tensor over it;
+// undefined where none can be had (larger than Slabs::kMaxBlock, no slab).
+// Its bytes are not cleared.
 at::Tensor carve_storage(int64_t nbytes);
 
-// Moves `tensor`'s storage (at most Slabs::kMaxBlock bytes) into a block
-// carved from a slab, in place as move_storage does; false where no slab
-// can be had.
+// Moves `tensor`'s storage into a block carved from a slab, in place as
+// move_storage does; false where none can be had (larger than
+// Slabs::kMaxBlock, no slab).
 bool move_storage_to_block(const at::Tensor& tensor);
 
 // (the slab's segment tensor, the block's offset in it) for a storage over
 // a block of a slab, or None.
 py::object block_of(const at::Tensor& tensor);
+
+// Whether `tensor`'s storage lies in torchshm's memory: a segment, or a
+// block of a slab (what block_of answers without making its answer).
+bool in_torchshm_memory(const at::Tensor& tensor);
 
 // This process's storage over the `nbytes` at `offset` of the segment behind
 // `owner` (a received slab): the live one if the block has one of that size,

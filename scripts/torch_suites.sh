@@ -2,7 +2,8 @@
 # PyTorch's own test/test_multiprocessing.py and test/test_dataloader.py, run
 # twice on one lane: once plain ("baseline") and once with `import torchshm`
 # in every Python process at interpreter start-up, through a sitecustomize.py
-# put on PYTHONPATH ("default": its tensor path on, as a user gets it). It reports, per file and run, the counts of passed, failed,
+# put on PYTHONPATH ("default": its tensor path on, as a user gets it). It
+# reports, per file and run, the counts of passed, failed,
 # skipped, xfailed, xpassed and errors, the wall time, and the tests whose
 # outcome differs from the baseline. Results: TORCH_SUITES_OUT/summary.txt, and
 # per run RUN/FILE.jsonl (each test's phases), RUN/FILE.log (pytest -rA
@@ -16,8 +17,8 @@
 # (the same with TORCHSHM_TENSORS=1 set), import (torchshm imported everywhere
 # but TORCHSHM_TENSORS=0: the array path alone), check (only checks that the
 # import reaches spawned, forkserver and subprocess children), summary (only
-# the summary of what TORCH_SUITES_OUT holds). Default: "baseline default". A later call with other runs and the same
-# TORCH_SUITES_OUT adds to the results and compares against the baseline
+# the summary of what TORCH_SUITES_OUT holds). Default: "baseline default".
+# A later call with other runs and the same TORCH_SUITES_OUT adds to the results and compares against the baseline
 # recorded there, so the baseline need not be run again.
 #
 # TESTS_DIR holds the two test files of the torch that the lane's Python

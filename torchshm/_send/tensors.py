@@ -98,11 +98,7 @@ def shared_view(storage) -> Optional[torch.Tensor]:
     if storage.device.type != "cpu":
         return None
     view = _compat.int8_tensor_over(storage)
-    return view if _in_torchshm(view) else None
-
-
-def _in_torchshm(view):
-    return _C.segment_of(view) is not None or _C.block_of(view) is not None
+    return view if _C.in_torchshm_memory(view) else None
 
 
 def reduce_storage(storage):
@@ -168,11 +164,9 @@ def _move(storage):
     else a pooled segment); an int8 tensor over it."""
     with _move_lock:
         view = _compat.int8_tensor_over(storage)
-        if _in_torchshm(view):  # another thread's move came first
+        if _C.in_torchshm_memory(view):  # another thread's move came first
             return view
-        if not (
-            storage.nbytes() <= _C.SMALL_BLOCK_MAX and _C.move_storage_to_block(view)
-        ):
+        if not _C.move_storage_to_block(view):  # a block of a slab if small
             owner = _segments.allocate(storage.nbytes(), populate=False)
             _C.move_storage(view, owner, _config.copy_threads())
     return view
@@ -189,8 +183,8 @@ def new_storage(nbytes: int):
     SMALL_BLOCK_MAX bytes, else a pooled segment (its bytes are not
     cleared: reused memory holds what was there). Raises SharedMemoryError
     if shared memory cannot hold it."""
-    if 0 < nbytes <= _C.SMALL_BLOCK_MAX:
-        carved = _C.carve_storage(nbytes)
+    if nbytes > 0:
+        carved = _C.carve_storage(nbytes)  # None unless small
         if carved is not None:
             return _compat.untyped_storage(carved)
     owner = _segments.allocate(max(1, nbytes))  # populated: torch writes it
