@@ -27,6 +27,10 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 # This machine's pip configuration lists local package folders, one warning
 # for each package they lack.
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# requirements/ pins every package exactly, so a constraint from the machine's
+# pip configuration can only conflict (this one caps torch below the pin): the
+# lane's installs set an empty constraint file in its place.
+PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 
 .PHONY: deps build wheel test test-debian12 test-debian13 bench soak docs figures notebooks \
 	lint format lock clean
@@ -43,13 +47,13 @@ $(MADE): | deps
 	touch $@
 
 $(STACK): $(REQUIREMENTS) | $(MADE)
-	$(PY) -m pip install -q -r requirements/pip.txt -c requirements/constraints.txt \
+	$(call PIP,$(PY)) install -q -r requirements/pip.txt -c requirements/constraints.txt \
 		2>&1 | $(QUIET_PIP)
 	touch $@
 
 # The peers `make bench` compares (Ray, Grain, tensordict): only for bench.
 $(PEER_STACK): requirements/peers.txt requirements/constraints.txt | $(STACK)
-	$(PY) -m pip install -q -r requirements/peers.txt -c requirements/constraints.txt \
+	$(call PIP,$(PY)) install -q -r requirements/peers.txt -c requirements/constraints.txt \
 		2>&1 | $(QUIET_PIP)
 	touch $@
 
@@ -120,7 +124,7 @@ notebooks: build
 lock: | deps
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/pip install -q -r requirements/pip.txt -r requirements/peers.txt \
+	$(call PIP,.venv-lock/bin/python) install -q -r requirements/pip.txt -r requirements/peers.txt \
 		2>&1 | $(QUIET_PIP)
 	top=$$(cat requirements/pip.txt requirements/peers.txt \
 		| grep -Eo '^[A-Za-z0-9_.-]+' | paste -sd'|'); \
