@@ -2,8 +2,9 @@
 with every warning an error; these run in `make test`): the README stays a
 landing page with its figure, the README's and the DataLoader guide's
 examples run and print what their pages quote, every relative link in the
-README and the docs' Markdown resolves, and the API page names every public
-name once."""
+README and the docs' Markdown resolves, every measured figure a page quotes is
+the reference run's or its section names its own run, and the API page names
+every public name once."""
 
 import os
 import re
@@ -78,6 +79,70 @@ def test_every_relative_link_resolves(page):
         if not (page.parent / target.split("#")[0]).exists()
     ]
     assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+
+
+# A measured figure: a number (or a range or list of them) and a unit of time
+# or throughput. Sizes and counts are what a scenario is, not what it measured.
+NUMBER = r"\d+(?:\.\d+)?"
+FIGURE = re.compile(
+    rf"(?<![\w.])({NUMBER}(?:\s*(?:/|-|to)\s*{NUMBER})*)\s*(ms|us|µs|s|GB/s)(?![\w/])"
+)
+# A setting's value, as pages quote it: "(`TORCHSHM_KEEPER_TIMEOUT`, 5 s)".
+SETTING = re.compile(r"\(`TORCHSHM_\w+`[^)]*\)")
+# A section that reports a run of its own says how and when: a command in
+# backticks and the run's date.
+OWN_RUN = (
+    re.compile(r"`[^`\n]*(?:python|make |scripts/|benchmarks)[^`\n]*`"),
+    re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+)
+REFERENCE_RUN = DOCS / "figures" / "reference-run.md"
+
+
+def figures(text):
+    """(value, unit, as written) of each measured figure outside code blocks."""
+    text = SETTING.sub("", re.sub(r"```.*?```", "", text, flags=re.S))
+    for match in FIGURE.finditer(text):
+        unit = "us" if match.group(2) == "µs" else match.group(2)
+        for number in re.findall(NUMBER, match.group(1)):
+            yield float(number), unit, " ".join(match.group(0).split())
+
+
+def unheld_figures(text, reference):
+    """The figures of sections that name no run of their own and that the
+    reference run does not hold, with their section's heading."""
+    held = {(value, unit) for value, unit, _ in figures(reference)}
+    return [
+        (section.splitlines()[0], written)
+        for section in re.split(r"\n(?=#+ )", text)
+        if not all(pattern.search(section) for pattern in OWN_RUN)
+        for value, unit, written in figures(section)
+        if (value, unit) not in held
+    ]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if p != REFERENCE_RUN],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_figure_is_the_reference_runs_or_names_its_run(page):
+    unheld = unheld_figures(page.read_text(), REFERENCE_RUN.read_text())
+    assert not unheld, (
+        f"{page.relative_to(ROOT)} quotes figures that docs/figures/reference-run.md"
+        f" does not hold, in sections that name no run of their own: {unheld}"
+    )
+
+
+def test_a_stale_figure_is_caught_and_a_named_run_may_quote_its_own():
+    reference = "| first send | 192 ms [190 ms-201 ms] | 5.71 GB/s |"
+    stale = "# Containers\n\nAn epoch takes 602 ms in 64 MiB; 192 ms here.\n"
+    assert unheld_figures(stale, reference) == [("# Containers", "602 ms")]
+    assert unheld_figures("# A\n\n15.6 / 192 ms, 5.71 GB/s\n", reference) == [
+        ("# A", "15.6 / 192 ms")
+    ]
+    named = stale + "\n(`python -m benchmarks --only 12`, 2026-11-28.)\n"
+    assert unheld_figures(named, reference) == []
+    assert unheld_figures("# B\n\n(`TORCHSHM_X`, 30 s idle)\n", reference) == []
 
 
 def test_the_api_page_names_every_public_name_once():
