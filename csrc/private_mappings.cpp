@@ -1,7 +1,7 @@
 // A snapshot's private (copy-on-write) mappings and a segment's read-only
 // one (Note [Snapshots are mapped privately] in segment.h), and finding the
 // pages a process wrote through a private mapping (Note [Knowing that
-// nothing was written] in views.h).
+// nothing was written] in private_mappings.h).
 #include "private_mappings.h"
 
 #include <fcntl.h>

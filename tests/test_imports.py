@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchshm"
 
 
 def module_name(path):
-    """torchshm.x.y for torchshm/x/y.py; a package's __init__.py is the
+    """torchshm.PKG.MOD for torchshm/PKG/MOD.py; a package's __init__.py is the
     package."""
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -95,7 +95,7 @@ def test_the_native_sender_works_by_the_python_policy():
 
 
 def _size_class(nbytes, min_class, steps, max_waste):
-    """The size class _pool.py describes: a multiple of 1/steps of the next
+    """The size class csrc/pool.h describes: a multiple of 1/steps of the next
     power of two, and of min_class."""
     if nbytes <= min_class:
         return min_class

@@ -8,7 +8,7 @@ a pipe. `python -m benchmarks --only per_item` measures both, round-robin. On
 the 2-core reference machine four runs put the crossover at 256 KiB: sharing
 every array cost 1.09-1.69x pipe + pickle at 128 KiB and 0.75-0.98x at
 256 KiB. So arrays from 256 KiB up are shared; below, messages with
-many arrays are still packed (see PACK_MIN in _sender.py).
+many arrays are still packed (see PACK_MIN in _send/sender.py).
 """
 
 import functools

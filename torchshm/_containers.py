@@ -137,7 +137,9 @@ def _nested_child(index):
 class _ItemPickler(pickle.Pickler):
     """Pickles the items of one container, one complete pickle per item.
 
-    Note [Nested containers]: a SharedList or SharedDict inside an item is
+    Note [Nested containers]
+
+    A SharedList or SharedDict inside an item is
     not copied into the buffer: it becomes a child of the container
     (pickled with it, by reference when shared) and the item's pickle names
     it by number. The dispatch table catches exactly those two types, so

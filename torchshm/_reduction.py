@@ -5,7 +5,7 @@ pickle torchshm ever wrote: never rename or move them (tests/test_wire_format.py
 loads messages that earlier versions wrote). The hot ones are native (Note
 [One message, one snapshot] in csrc/message.h), made under exactly these
 names, so that pickle names them here. The policy that decides what to send is
-in _sender.py; a message's state, and the segment references it writes, are
+in _send/sender.py; a message's state, and the segment references it writes, are
 native too.
 """
 
@@ -59,7 +59,7 @@ def rebuild_empty(*view):
 
 
 # The arrays under the pyarrow Buffers that rebuild_arrow_buffer made, by the
-# Buffer's address, while they live (Note [Arrow buffers] in _arrow.py).
+# Buffer's address, while they live (Note [Arrow buffers] in _send/arrow.py).
 ARROW_BUFFERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 

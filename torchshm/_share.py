@@ -12,7 +12,9 @@ from torchshm._send import sender as _sender
 
 T = TypeVar("T")
 
-# Note [Which containers share() converts]: below about a thousand items a
+# Note [Which containers share() converts]
+#
+# Below about a thousand items a
 # list costs a worker less than a hundred KiB however it is copied, against
 # the tens of MiB of the worker's own interpreter; converting it would only
 # add a decode per read and change its type for nothing.

@@ -35,7 +35,7 @@ COUNTERS = (
     "arrays_copied_on_receive",
     # A private mapping walked for the pages this process wrote before it
     # served another message: it took a page fault meanwhile (Note [Knowing
-    # that nothing was written] in csrc/segment.h).
+    # that nothing was written] in csrc/private_mappings.h).
     "private_mappings_walked",
     # Torch storages moved into a segment in place (one copy), and storages
     # sent by reference (Note [Tensor storages] in csrc/tensors.h).

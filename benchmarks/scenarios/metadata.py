@@ -25,7 +25,9 @@ TORCHSHM_BENCH_RECORDS sets the number of records (default 500,000;
 --quick: 20,000). A plain-list run that would need more than MEMORY_SHARE of
 the available memory (a copy per worker) is skipped and says so.
 
-Note [Metadata scenario size]: the issue's 2,000,000 records took 15 min
+Note [Metadata scenario size]
+
+The issue's 2,000,000 records took 15 min
 on the 2-core reference machine (busy), most of it the plain list's spawn
 workers (each gets 2.4 GiB pickled: 88 s to start one) and 8 workers
 unpickling 2,000,000 records each, twice; and a plain list of them cannot
@@ -120,12 +122,14 @@ def pss_bytes(pid):
 def _epoch(reports, start, done, pids):
     """One epoch's figures, read after every worker reported (a barrier).
 
-    Note [PSS of libraries]: a shared library's pages are split among every
-    process of the machine that maps them, so on a machine where other
-    Pythons run torch, the workers' PSS moves by tens of MiB from run to
-    run with no change here. The PSS without file-backed pages (anonymous
-    memory and shared memory: the records, their buffers, the heaps) does
-    not; it is reported beside the total."""
+    Note [PSS of libraries]
+
+    A shared library's pages are split among every process of the machine
+    that maps them, so on a machine where other Pythons run torch, the
+    workers' PSS moves by tens of MiB from run to run with no change here.
+    The PSS without file-backed pages (anonymous memory and shared memory:
+    the records, their buffers, the heaps) does not; it is reported beside
+    the total."""
     pss = [pss_bytes(pid) for pid in pids]
     return {
         "pss": sum(total for total, _ in pss),

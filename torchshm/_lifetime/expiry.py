@@ -54,10 +54,9 @@ class _Expiry:
     releases its pool within the idle time (plus a quarter of it, at most
     EXPIRY_PERIOD_MAX) without sending again. The thread runs only while
     there is something to watch, and never across fork (Note [Fork] in
-    _lifecycle.py): a
-    fork stops it, and the next send or receive starts it again (a process
-    that forks and then never touches torchshm keeps its pool until exit,
-    within the session's budget)."""
+    lifecycle.py): a fork stops it, and the next send or receive starts it
+    again (a process that forks and then never touches torchshm keeps its
+    pool until exit, within the session's budget)."""
 
     def __init__(self):
         self._thread = None

@@ -15,7 +15,7 @@ from torchshm._native import _C
 # the live views. Replaced in a forked child (another thread may have held
 # it at fork): take it as _holdings.lock at each use, never keep it.
 lock = threading.RLock()
-# The segments this process created, reused once idle (_pool.py).
+# The segments this process created, reused once idle (pool.py).
 pool = _pool.Pool()
 # This process's live view of each segment, by name (Note [Live views] in
 # csrc/live.h): the sender's plan records the pooled segments it takes there

@@ -14,7 +14,9 @@ from torchshm._lifetime import segments as _segments
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
-# Note [Fork]: a child inherits every view but none of the slots: those are
+# Note [Fork]
+#
+# A child inherits every view but none of the slots: those are
 # the parent's, under the parent's id. Before fork the parent makes the
 # child's id (and its lock, which the child inherits and keeps) and takes a
 # slot for the child in every segment it has a live view of; afterwards the

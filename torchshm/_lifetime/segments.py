@@ -3,10 +3,10 @@
 Every segment torchshm creates goes through `allocate`, with one exception:
 the sender's plan takes idle pooled segments itself while the pool is armed,
 and records them in the live table as allocate does (Note [Segment pool] in
-csrc/pool.h). A sender's segments come from its pool (_pool.py) and are
-reused once idle. Receivers map segments through _attach.py; what the
-process holds is in _holdings.py, the timer that gives idle memory back in
-_expiry.py, fork and exit in _lifecycle.py.
+csrc/pool.h). A sender's segments come from its pool (pool.py) and are
+reused once idle. Receivers map segments through attach.py; what the
+process holds is in holdings.py, the timer that gives idle memory back in
+expiry.py, fork and exit in lifecycle.py.
 """
 
 import errno
