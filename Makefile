@@ -23,7 +23,8 @@ LINT_DEBS := black flake8 clang-format
 LANE_DEBS := debootstrap util-linux
 # Sphinx and its Markdown parser and theme, from Debian (on Debian's Python).
 DOC_DEBS := python3-sphinx python3-myst-parser python3-sphinx-rtd-theme
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
+CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h)
+SOURCES := setup.py pyproject.toml $(CSRC)
 # This machine's pip configuration lists local package folders, one warning
 # for each package they lack.
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -141,11 +142,11 @@ lint:
 	bash -n scripts/apt_install.sh
 	bash -n scripts/torch_suites.sh
 	bash -n scripts/numpy_suite.sh
-	clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
+	clang-format --dry-run -Werror $(CSRC)
 
 format:
 	black -q torchshm tests benchmarks scripts setup.py docs
-	clang-format -i csrc/*.cpp csrc/*.h
+	clang-format -i $(CSRC)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json \

@@ -42,9 +42,7 @@ def optimization_flags():
     return ["-O3", "-g0"]
 
 
-# The bindings' translation unit: module.cpp and the parts it calls in
-# bindings.h. Every other file of csrc/ is the mechanism's unit.
-BINDINGS = ("module.cpp", "layout_table.cpp", "testing.cpp")
+CSRC = os.path.join(HERE, "csrc")
 
 
 def translation_units():
@@ -59,11 +57,14 @@ def translation_units():
     reused by another of its unit: that is a compile error, or an overload
     that the other file may pick (tests/test_native_build.py)."""
     files = sorted(
-        os.path.basename(p) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp"))
+        os.path.relpath(p, CSRC)
+        for p in glob.glob(os.path.join(CSRC, "**", "*.cpp"), recursive=True)
     )
+    # The bindings' unit: the files on top of csrc/ (module.cpp and the parts
+    # it calls in bindings.h); the wings below them are the mechanism's.
     units = {
-        "bindings": [f for f in files if f in BINDINGS],
-        "mechanism": [f for f in files if f not in BINDINGS],
+        "bindings": [f for f in files if os.sep not in f],
+        "mechanism": [f for f in files if os.sep in f],
     }
     folder = os.path.join(HERE, "build", "units")
     os.makedirs(folder, exist_ok=True)
@@ -113,7 +114,8 @@ setup(
         CppExtension(
             "torchshm._C",
             translation_units(),
-            include_dirs=[numpy.get_include()],
+            # Files of csrc/ include each other by their path from it.
+            include_dirs=[CSRC, numpy.get_include()],
             define_macros=[
                 ("TORCHSHM_TORCH_VERSION", f'"{torch.__version__}"'),
                 ("TORCHSHM_NUMPY_VERSION", f'"{numpy.__version__}"'),

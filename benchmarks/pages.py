@@ -5,7 +5,7 @@ workers), one figure each, medians of `--rounds` (default 5).
     python -m benchmarks.micro pages      # the same
 
 - fill: n bytes into a fresh memfd, by pwrite() (what torchshm does for a
-  fresh segment, csrc/segment.h Segment::fill) against memcpy into a fresh
+  fresh segment, csrc/lifetime/segment.h Segment::fill) against memcpy into a fresh
   MAP_SHARED mapping, and against memcpy into one already faulted in (the
   pool's reuse); by size, to show the crossover.
 - map: a child maps 512 MiB of existing shmem pages read-only, MAP_PRIVATE and
@@ -13,7 +13,7 @@ workers), one figure each, medians of `--rounds` (default 5).
   are the cost).
 - resend: torchshm's ForkingPickler.dumps of a fresh 512 MiB array (a copy)
   against the same array sent again unchanged (a comparison with its
-  snapshot: Note [Resending an unchanged array] in csrc/snapshots.h).
+  snapshot: Note [Resending an unchanged array] in csrc/send/snapshots.h).
 - stale: what workers read of an array changed between two calls, through
   joblib's `Parallel` (one context, auto-memmapping) and through torchshm (a
   pool's tasks): joblib knows an array by its identity and sends it once.

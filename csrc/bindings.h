@@ -1,7 +1,7 @@
 // Parts of the native module built outside module.cpp.
 #pragma once
 
-#include "torch_api.h"
+#include "base/torch_api.h"
 
 namespace torchshm {
 

@@ -1,8 +1,8 @@
 // Every constant of layout.h as a dict (_C.LAYOUT): the keeper's reads
-// (torchshm/_lifetime/keeper/layout.py) are checked against it field by field
+// (torchshm/_keeper/layout.py) are checked against it field by field
 // (tests/test_layout.py).
 #include "bindings.h"
-#include "layout.h"
+#include "lifetime/layout.h"
 
 namespace torchshm {
 

@@ -7,32 +7,32 @@
 #include <string>
 #include <vector>
 
-#include "allocator.h"
+#include "base/config.h"
+#include "base/cxx_runtime.h"
+#include "base/errors.h"
+#include "base/gil.h"
+#include "base/ndarray.h"
+#include "base/numpy_api.h"
+#include "base/parallel.h"
+#include "base/stats.h"
+#include "base/torch_api.h"
 #include "bindings.h"
-#include "config.h"
-#include "cxx_runtime.h"
-#include "errors.h"
-#include "fork_guard.h"
-#include "gil.h"
-#include "identity.h"
-#include "items.h"
-#include "layout.h"
-#include "live.h"
-#include "message.h"
-#include "ndarray.h"
-#include "numpy_api.h"
-#include "parallel.h"
-#include "plan.h"
-#include "pool.h"
-#include "rebuild.h"
-#include "segment.h"
-#include "slabs.h"
-#include "snapshots.h"
-#include "stats.h"
-#include "table.h"
-#include "tensors.h"
-#include "torch_api.h"
-#include "views.h"
+#include "items/items.h"
+#include "lifetime/fork_guard.h"
+#include "lifetime/identity.h"
+#include "lifetime/layout.h"
+#include "lifetime/live.h"
+#include "lifetime/pool.h"
+#include "lifetime/segment.h"
+#include "lifetime/slabs.h"
+#include "lifetime/table.h"
+#include "lifetime/views.h"
+#include "send/allocator.h"
+#include "send/message.h"
+#include "send/plan.h"
+#include "send/rebuild.h"
+#include "send/snapshots.h"
+#include "send/tensors.h"
 
 namespace {
 
@@ -317,7 +317,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("owner", &torchshm::SegmentRef::owner)
       .def_readonly("name", &torchshm::SegmentRef::name)
       .def("__reduce__", &torchshm::SegmentRef::reduce);
-  m.attr("reduce_ndarray") = torchshm::fast_reducer();
+  m.attr("reduce_ndarray") = torchshm::reduce_ndarray_function();
   for (const char* name :
        {"rebuild_ndarray", "rebuild_inline", "message_token"})
     m.attr(name) = torchshm::wire_function(name);

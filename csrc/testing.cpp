@@ -1,12 +1,12 @@
 // _C.testing: mechanism that no torchshm module calls, for the tests and
 // benchmarks to look at from outside.
-#include "allocator.h"
+#include "base/config.h"
+#include "base/ndarray.h"
 #include "bindings.h"
-#include "config.h"
-#include "identity.h"
-#include "message.h"
-#include "ndarray.h"
-#include "plan.h"
+#include "lifetime/identity.h"
+#include "send/allocator.h"
+#include "send/message.h"
+#include "send/plan.h"
 
 namespace torchshm {
 

@@ -59,7 +59,7 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   count them (cut mid-write, or a Queue's not flushed), unless received; one
   that arrived whole but did not load counts here too (killed after its last
   byte, before its send returned: the keeper judges the ticket of a write
-  that never returned dead, Note [Segment lifetime] in csrc/segment.h).
+  that never returned dead, Note [Segment lifetime] in csrc/lifetime/segment.h).
 - hangs: a receiver that waited HANG seconds for a sent message, a sender that
   did not finish in time although its receiver lived, or a driver that had to
   be killed.
@@ -606,15 +606,14 @@ def receiver(cfg, r, channels, shared, result_path):
 
 
 def _keeper_protocol():
-    """torchshm's keeper/protocol.py, loaded from its file: importing it
+    """torchshm/_keeper/protocol.py, loaded from its file: importing it
     through the package would import torchshm into this top-level process."""
     import importlib.util
 
     path = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         "torchshm",
-        "_lifetime",
-        "keeper",
+        "_keeper",
         "protocol.py",
     )
     spec = importlib.util.spec_from_file_location("_keeper_protocol", path)

@@ -80,7 +80,7 @@ def _summary(doc):
 def _function(name, fn, indent=""):
     out = []
     if getattr(fn, "__module__", None) == "torchshm._reduction":
-        # A wire function (csrc/message.h): a plain C function, no signature.
+        # A wire function (csrc/send/message.h): a plain C function, no signature.
         out.append(f"{indent}def {name}(*args: Any) -> Any: ...")
     else:
         out.append(indent + _signature(name, fn.__doc__))

@@ -38,7 +38,7 @@ START_METHODS = ("fork", "spawn", "forkserver")
 TIMEOUT = 60
 # The dead-process reaper frees a segment within ~1-2 s, and a never-received
 # message's ticket dies ~2-3 s after its pipe closes (Note [Segment lifetime]
-# in csrc/segment.h): the leak check waits this long for both.
+# in csrc/lifetime/segment.h): the leak check waits this long for both.
 LEAK_GRACE = 10
 
 # A test that asks for one of these fixtures starts processes, wherever it is.
@@ -151,7 +151,7 @@ def session_segments(session=None):
 def memfd_holders(session, indices):
     """(pid, index) for every process that still has an fd or a mapping of
     segment `index` of `session` (its memfd, torchshm-segment:<session>:<index>,
-    csrc/segment.cpp). A memfd's memory is freed when the last of these goes,
+    csrc/lifetime/segment.cpp). A memfd's memory is freed when the last of these goes,
     so an empty answer means the kernel has its pages back: a stronger check
     than Shmem, which every other process on a shared machine moves too."""
     wanted = {f"{_doctor.SEGMENT_MAPPING[1:]}{session}:{i}": i for i in indices}

@@ -181,7 +181,7 @@ Pair = collections.namedtuple("Pair", "a b")
 
 def item_formats(container):
     """The first byte of each item (of each value, for a SharedDict): the
-    item format's tag or 0x80, a pickle (Note [Item format], csrc/items.h)."""
+    item format's tag or 0x80, a pickle (Note [Item format], csrc/items/items.h)."""
     step = 2 if isinstance(container, torchshm.SharedDict) else 1
     starts = container._offsets[step - 1 : -1 : step]
     return [int(container._buf[start]) for start in starts]

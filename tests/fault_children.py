@@ -716,7 +716,7 @@ def keeper_restart():
     late.join(TIMEOUT)
     # Long enough for a keeper that wrongly ended the session to close what
     # the live sender wrote meanwhile.
-    from torchshm._lifetime.keeper import daemon
+    from torchshm._keeper import daemon
 
     time.sleep(3 * daemon.GRACE_SECONDS)
     got, bad, errors = [], 0, []

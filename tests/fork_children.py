@@ -1,7 +1,7 @@
 """Driver scenarios for tests/test_fork_safety.py: a fork whose child the
 parent could not give its holds (Note [Fork] in
 torchshm/_lifetime/lifecycle.py), and a fork from C that runs no hook (Note
-[Forks torchshm did not prepare] in csrc/fork_guard.h).
+[Forks torchshm did not prepare] in csrc/lifetime/fork_guard.h).
 
 `python -m tests.fork_children SCENARIO ARGS...` prints `session <id>`, then
 one JSON object per line (tests/isolated.py's Driver).

@@ -23,7 +23,7 @@ import time
 
 from torchshm import _memory
 from torchshm._lifetime import session as _session
-from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._keeper import protocol as _protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM_DIR = "/dev/shm"

@@ -114,7 +114,7 @@ def fanout_receiver(queue, outbox, start, pause, count):
 class _Stall:
     """Pickled after an array in the same message: says so, then never
     returns, so the message's ticket stays "being written" before its pipe
-    is named (Note [One message, one snapshot] in csrc/message.h)."""
+    is named (Note [One message, one snapshot] in csrc/send/message.h)."""
 
     def __init__(self, ready):
         self.ready = ready

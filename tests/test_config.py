@@ -54,10 +54,10 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
         from torchshm._send import sender as _sender
 
         table = ForkingPickler._extra_reducers
-        out = {"took_over": table[np.ndarray] is _sender.REDUCER}
+        out = {"took_over": table[np.ndarray] is _sender.reduce_ndarray}
         with torchshm.disabled():
             out["foreign_inside_disabled"] = table[np.ndarray] is foreign
-        out["back_after_disabled"] = table[np.ndarray] is _sender.REDUCER
+        out["back_after_disabled"] = table[np.ndarray] is _sender.reduce_ndarray
         torchshm.unregister()
         out["foreign_back"] = table[np.ndarray] is foreign
         out["registered"] = torchshm.is_registered()
@@ -68,7 +68,7 @@ def test_unregister_gives_back_a_reducer_registered_before_torchshm():
             0.0, 1.0, 2.0, 3.0, 4.0
         ]
         torchshm.register()
-        out["again"] = table[np.ndarray] is _sender.REDUCER
+        out["again"] = table[np.ndarray] is _sender.reduce_ndarray
         torchshm.unregister()
         out["foreign_again"] = table[np.ndarray] is foreign
         print(json.dumps(out))
@@ -372,14 +372,14 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
     ids=["shared", "static", "static-bsymbolic"],
 )
 def test_a_library_knows_whether_it_runs_a_cxx_runtime_of_its_own(flags, own, tmp_path):
-    # The detection of csrc/cxx_runtime.h, built into a small library as the
+    # The detection of csrc/base/cxx_runtime.h, built into a small library as the
     # module is, loaded into this process (which holds torch's libstdc++).
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         pytest.skip("needs g++, the compiler torchshm's module is built with")
     source = tmp_path / "probe.cpp"
     source.write_text(
-        '#include "cxx_runtime.h"\n'
+        '#include "base/cxx_runtime.h"\n'
         'extern "C" int probe() { return torchshm::own_cxx_runtime(); }\n'
     )
     library = tmp_path / "probe.so"

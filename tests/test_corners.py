@@ -20,7 +20,7 @@ import pytest
 
 from tests import isolated
 from tests.conftest import TIMEOUT
-from torchshm._lifetime.keeper import paths as _paths
+from torchshm._keeper import paths as _paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER_UID = 65534  # nobody
@@ -33,7 +33,7 @@ import numpy as np
 import torchshm
 from torchshm import _C
 from torchshm._lifetime import session as _session
-from torchshm._lifetime.keeper import paths as _paths
+from torchshm._keeper import paths as _paths
 
 def report(**fields):
     print(json.dumps(fields), flush=True)

@@ -134,7 +134,7 @@ def test_a_receiver_exits_promptly_while_its_sender_lives(tmp_path, sender, endi
 
 # A daemon thread in torchshm's native work (the GIL released) when the main
 # thread returns: CPython ends it when it asks for the GIL back, which must
-# never abort the process (Note [The GIL at exit] in csrc/gil.h). Arrays
+# never abort the process (Note [The GIL at exit] in csrc/base/gil.h). Arrays
 # only, in the steady state: torch's own bindings abort the same way
 # (pytorch/pytorch#38228: a daemon thread sending tensors without torchshm
 # aborted 9 exits in 10), and the first send of an array makes its segment
@@ -210,7 +210,7 @@ print("main returns", flush=True)
 
 
 def test_no_thread_starts_a_message_once_the_exit_hook_has_run():
-    # Note [Messages at exit] in csrc/message.h: a message it made could
+    # Note [Messages at exit] in csrc/send/message.h: a message it made could
     # drop a tensor during finalization, which torch's dealloc turns into an
     # abort. The thread sleeps instead, and the exit goes on.
     from tests.conftest import run_python

@@ -1,5 +1,5 @@
 """One shared object named by more messages in flight than anything else
-holds (Note [Segment lifetime] in csrc/segment.h): none is lost, whatever the
+holds (Note [Segment lifetime] in csrc/lifetime/segment.h): none is lost, whatever the
 fan-out, and every slot comes back."""
 
 import fcntl

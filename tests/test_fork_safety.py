@@ -4,7 +4,7 @@ fd limit, no inode left in /dev/shm), the parent keeps that memory until
 the session ends (Note [Fork] in torchshm/_lifetime/lifecycle.py); a fork()
 from C, which runs no hook, leaves the child without torchshm's memory: it
 faults where it would have read the parent's later bytes (Note [Forks
-torchshm did not prepare] in csrc/fork_guard.h)."""
+torchshm did not prepare] in csrc/lifetime/fork_guard.h)."""
 
 import signal
 

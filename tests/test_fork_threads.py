@@ -3,15 +3,15 @@
 Python 3.12+ warns "This process is multi-threaded, use of fork() may lead to
 deadlocks in the child" when a process forks with more than one OS thread
 (it counts /proc/self/stat's threads, not only Python's). torchshm's threads
-are the ones that split a large copy into shared memory (csrc/ndarray.cpp)
-or populate a fresh segment (csrc/segment.cpp), joined before the send
+are the ones that split a large copy into shared memory (csrc/base/ndarray.cpp)
+or populate a fresh segment (csrc/lifetime/segment.cpp), joined before the send
 returns, and the expiry timer that gives idle memory back
 (torchshm/_lifetime/expiry.py), which torchshm's own before-fork hook stops and the
 next send or receive restarts (not the after-fork hook: Python 3.13 counts
 threads after those hooks). A joined thread is still listed for a moment
 (pthread_join and Thread.join return before the task leaves the thread
 group), long enough on a busy machine to be counted: the hook also waits
-until they are gone (Note [Threads at fork] in csrc/parallel.h). So at the
+until they are gone (Note [Threads at fork] in csrc/base/parallel.h). So at the
 fork, and right after it, a process that sent and received large arrays has
 the threads it had before, every time: the test forks right after sending,
 many times over. The warnings seen in the suite's fork tests come from other

@@ -116,7 +116,7 @@ def test_the_native_stub_is_generated_from_the_native_module():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# C++ calls into Python other than the hooks (csrc/config.h), by file: the
+# C++ calls into Python other than the hooks (csrc/base/config.h), by file: the
 # protocols of the objects torchshm moves, each named in Note [The seam].
 # module.cpp sets the module's own attributes, which calls nothing.
 CALLS_INTO_PYTHON = {
@@ -131,14 +131,14 @@ def test_cxx_calls_into_python_only_where_the_seam_note_says():
     csrc = PACKAGE.parent / "csrc"
     call = re.compile(r"PyObject_Call\w*\(|\.attr\(")
     found = {}
-    for path in sorted(csrc.glob("*.[ch]*")):
+    for path in sorted(csrc.rglob("*.[ch]*")):
         if path.name in ("config.cpp", "module.cpp"):
             continue
         n = len(call.findall(path.read_text()))
         if n:
             found[path.name] = n
     assert found == CALLS_INTO_PYTHON, (
-        "a call from C++ into Python: route it through a hook (csrc/config.h)"
+        "a call from C++ into Python: route it through a hook (csrc/base/config.h)"
         " or name it in Note [The seam] (torchshm/_native.py), then here"
     )
 
@@ -146,7 +146,7 @@ def test_cxx_calls_into_python_only_where_the_seam_note_says():
 # The wings' rule. The top level holds what users and pickles name and the
 # base every wing uses; the engine lives in wings. Rooms stand in layers, and
 # a module imports only its own room, the base, and the rooms below its own:
-#   keeper    the keeper's facts (paths, layout, protocol), standard
+#   keeper    _keeper/: its facts (paths, layout, protocol), standard
 #             library only: anyone may read them; its daemon is a program of
 #             its own, which nobody imports
 #   base      the seam, compat, config, stats, fallback, memory, version
@@ -183,9 +183,9 @@ ROOMS = {
     },
 }
 KEEPER_FACTS = {
-    "torchshm._lifetime.keeper.paths",
-    "torchshm._lifetime.keeper.layout",
-    "torchshm._lifetime.keeper.protocol",
+    "torchshm._keeper.paths",
+    "torchshm._keeper.layout",
+    "torchshm._keeper.protocol",
 }
 
 
@@ -194,8 +194,6 @@ def room(module):
     for name, modules in ROOMS.items():
         if module in modules:
             return name
-    if module.startswith("torchshm._lifetime.keeper"):
-        return "keeper"
     parts = module.split(".")
     assert len(parts) >= 2 and parts[1].startswith("_"), module
     return parts[1][1:]  # torchshm._send.sender -> send
@@ -222,7 +220,7 @@ def test_the_wings_rule_holds():
     assert not broken, broken
 
 
-KEEPER = PACKAGE / "_lifetime" / "keeper"
+KEEPER = PACKAGE / "_keeper"
 KEEPER_FILES = sorted(p.stem for p in KEEPER.glob("*.py") if p.stem != "__init__")
 
 
@@ -242,9 +240,76 @@ def test_the_keeper_imports_only_the_standard_library(stem):
         for name in names:
             top = name.split(".")[0]
             if name.startswith("torchshm."):
-                assert name.startswith("torchshm._lifetime.keeper"), (stem, name)
+                assert name.startswith("torchshm._keeper"), (stem, name)
             else:
                 assert top in sys.stdlib_module_names or top in KEEPER_FILES, (
                     stem,
                     name,
                 )
+
+
+# The wings' rule for csrc/, as for torchshm/: a file stands in the wing of
+# its folder (the files on top of csrc/ in "top"), the wings in layers, and a
+# file includes only its own wing's files and the wings' below:
+#   base      the base headers, the policy Python hands over (config),
+#             counters, threads, copies of array bytes
+#   lifetime  segments, their table, holders, mappings, views, pool, slabs
+#   items     the containers' item codec
+#   send      the sender's plan and message, snapshots, the allocator,
+#             tensors, and the rebuilds a message names
+#   top       the module's bindings
+# A header and its .cpp are one room; no two rooms include each other.
+CXX_LAYERS = ["base", "lifetime", "items", "send", "top"]
+CSRC = PACKAGE.parent / "csrc"
+INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
+
+
+def cxx_room(path):
+    """lifetime/segment for csrc/lifetime/segment.h and .cpp."""
+    return path.relative_to(CSRC).with_suffix("").as_posix()
+
+
+def cxx_wing(room):
+    return room.split("/")[0] if "/" in room else "top"
+
+
+def include_graph():
+    graph = {}
+    for path in sorted(CSRC.rglob("*.[ch]*")):
+        includes = graph.setdefault(cxx_room(path), set())
+        for name in INCLUDE.findall(path.read_text()):
+            assert (CSRC / name).is_file(), f"{path}: #include {name!r}, from csrc/"
+            includes.add(cxx_room(CSRC / name))
+        includes.discard(cxx_room(path))
+    return graph
+
+
+def test_every_csrc_file_stands_in_a_wing_the_rule_knows():
+    for room in include_graph():
+        assert cxx_wing(room) in CXX_LAYERS, room
+
+
+def test_csrc_includes_follow_the_wings_rule():
+    broken = [
+        f"{room} -> {target}: upward"
+        for room, includes in include_graph().items()
+        for target in includes
+        if CXX_LAYERS.index(cxx_wing(target)) > CXX_LAYERS.index(cxx_wing(room))
+    ]
+    assert not broken, broken
+
+
+def test_no_two_csrc_rooms_include_each_other():
+    graph = include_graph()
+    loops = []
+
+    def walk(room, path):
+        for target in sorted(graph[room]):
+            if target in path:
+                loops.append(path[path.index(target) :] + [target])
+            else:
+                walk(target, path + [target])
+
+    for room in graph:
+        walk(room, [room])
+    assert not loops, loops

@@ -1,8 +1,8 @@
-"""Every constant that crosses a seam or a file format, pinned.
+"""Every constant that crosses the seam or a file format, pinned.
 
-The session keeper (torchshm/_lifetime/keeper/daemon.py) is standard library only, so it
-restates csrc/layout.h; the lock files' names are made in C++
-(csrc/identity.cpp) and read in Python; thread and memfd names are given in
+The session keeper (torchshm/_keeper/daemon.py) is standard library only, so it
+restates csrc/lifetime/layout.h; the lock files' names are made in C++
+(csrc/lifetime/identity.cpp) and read in Python; thread and memfd names are given in
 one language and looked for in the other. Each is compared here against the
 native module, and the layout itself against the values this wire format
 promised: a segment or table written by one torchshm is read by another
@@ -21,10 +21,10 @@ import torchshm
 from torchshm import _C, _stats
 from torchshm._tools import doctor as _doctor
 from torchshm._lifetime import segments as _segments
-from torchshm._lifetime.keeper import layout as _layout
-from torchshm._lifetime.keeper import paths as _paths
+from torchshm._keeper import layout as _layout
+from torchshm._keeper import paths as _paths
 
-# csrc/layout.h as of the "trchshm4" segment and "tshtabl1" table formats.
+# csrc/lifetime/layout.h as of the "trchshm4" segment and "tshtabl1" table formats.
 PINNED = {
     "SEGMENT_MAGIC": 0x346D687368637274,
     "SLOTS": 16384,
@@ -70,7 +70,7 @@ def test_the_keeper_restates_the_layout_it_reads():
 
 
 def test_the_keeper_reads_a_header_as_the_native_side_wrote_it():
-    # The keeper's reads go through those names only (keeper/layout.py).
+    # The keeper's reads go through those names only (torchshm/_keeper/layout.py).
     owner = _segments.allocate(1 << 20)
     segment = _C.segment_of(owner)
     header = _layout.read_header(segment.fd)
@@ -95,7 +95,7 @@ def test_the_native_sender_works_by_the_python_policy():
 
 
 def _size_class(nbytes, min_class, steps, max_waste):
-    """The size class csrc/pool.h describes: a multiple of 1/steps of the next
+    """The size class csrc/lifetime/pool.h describes: a multiple of 1/steps of the next
     power of two, and of min_class."""
     if nbytes <= min_class:
         return min_class

@@ -1,4 +1,4 @@
-"""The lifetime protocol (Note [Segment lifetime] in csrc/segment.h): no load
+"""The lifetime protocol (Note [Segment lifetime] in csrc/lifetime/segment.h): no load
 ever sees other data, no holder is confused with another, and memory comes
 back promptly when its holders die. One test per item of issue 9."""
 
@@ -30,10 +30,10 @@ from tests import children, fork_children, lifetime_children
 from tests.conftest import TIMEOUT
 from torchshm import _C, _fallback
 from torchshm._lifetime import holdings as _holdings
-from torchshm._lifetime.keeper import daemon as _daemon
-from torchshm._lifetime.keeper import layout as _layout
-from torchshm._lifetime.keeper import paths as _paths
-from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._keeper import daemon as _daemon
+from torchshm._keeper import layout as _layout
+from torchshm._keeper import paths as _paths
+from torchshm._keeper import protocol as _protocol
 from torchshm._lifetime import mappings as _mappings
 from torchshm._lifetime import session as _session
 from tests.conftest import keeper_segments, memfd_holders, run_python, session_segments
@@ -162,7 +162,7 @@ def test_segment_names_and_process_ids_are_never_reused():
 
 def test_a_holder_seen_alive_is_found_dead_soon_after_it_dies():
     # An alive answer stands a few milliseconds (Note [Alive answers are
-    # remembered briefly] in csrc/identity.cpp); a dead one must follow.
+    # remembered briefly] in csrc/lifetime/identity.cpp); a dead one must follow.
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -457,13 +457,13 @@ def test_a_keeper_that_cannot_see_a_processs_fds_judges_nothing_by_them():
 
 
 # Longer than an "alive" answer is remembered (Note [Alive answers are
-# remembered briefly] in csrc/identity.cpp: 10 ms).
+# remembered briefly] in csrc/lifetime/identity.cpp: 10 ms).
 PAST_ALIVE_MEMORY = 0.05
 
 
 def test_a_process_out_of_fds_never_takes_a_live_holder_for_dead(ctx, child):
     """A lock file that cannot be opened for want of fds tells nothing
-    (csrc/identity.h). It was read as "dead", for good: a receiver that let
+    (csrc/lifetime/identity.h). It was read as "dead", for good: a receiver that let
     go of an array at its fd limit freed the slots of live holders, and the
     sender's pool reused their memory under them (scripts/soak.py, receivers
     that fork inspectors with every fd taken)."""
@@ -585,7 +585,7 @@ def test_the_keepers_judgments_out_of_fds_keep_memory():
     answer is the one that keeps memory."""
     code = (
         "import os, resource, sys\n"
-        "from torchshm._lifetime.keeper import paths, procfs\n"
+        "from torchshm._keeper import paths, procfs\n"
         "from tests.fork_children import fill_fds\n"
         "holder, session = int(sys.argv[1]), sys.argv[2]\n"
         "before = paths.process_alive(holder)\n"

@@ -5,7 +5,7 @@ files below are planted inside it as root would, to check the second line of
 defence: no file of another user is opened through a link or truncated, no
 planted name makes the dead look alive or keeps a keeper running, the pool
 budget cannot be disabled, no name can be pre-empted, and a segment cannot
-be truncated under its readers (Note [Segment lifetime] in csrc/segment.h)."""
+be truncated under its readers (Note [Segment lifetime] in csrc/lifetime/segment.h)."""
 
 import errno
 import os
@@ -25,8 +25,8 @@ import torchshm
 from tests import conftest
 from tests.conftest import TIMEOUT, segment_mappings, session_segments
 from torchshm import _C
-from torchshm._lifetime.keeper import paths as _paths
-from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._keeper import paths as _paths
+from torchshm._keeper import protocol as _protocol
 from torchshm._lifetime import session as _session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

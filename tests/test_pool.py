@@ -1,4 +1,4 @@
-"""The native pool index (csrc/pool.h, Note [Segment pool]) and the sender's
+"""The native pool index (csrc/lifetime/pool.h, Note [Segment pool]) and the sender's
 take from it without Python: a segment is never handed out twice, reuse
 waits for every holder, and the Python bookkeeping runs whenever it is due."""
 

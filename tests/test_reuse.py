@@ -51,7 +51,7 @@ def test_a_dropped_segment_is_reused():
     gc.collect()
     before = torchshm.stats()["segments_reused"]
     # Another array: the same one again would name its snapshot again
-    # (Note [Resending an unchanged array] in csrc/snapshots.h).
+    # (Note [Resending an unchanged array] in csrc/send/snapshots.h).
     again = roundtrip(np.ones(100_000))
     assert torchshm.stats()["segments_reused"] == before + 1
     assert (again == 1).all()

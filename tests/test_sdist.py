@@ -254,7 +254,7 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     members = set(built["members"])
     missing = sorted(set(built["expected"]) - members)
     assert not missing, f"the sdist lacks {missing}"
-    assert {"csrc/segment.h", "MANIFEST.in", "setup.py"} <= members
+    assert {"csrc/lifetime/segment.h", "MANIFEST.in", "setup.py"} <= members
     assert not [m for m in members if m.endswith((".so", ".pyc"))]
 
     python, env = built["python"], build_env()

@@ -1,4 +1,4 @@
-"""The native sender (csrc/plan.cpp): its fast reducer below the threshold,
+"""The native sender (csrc/send/plan.cpp): its fast reducer below the threshold,
 the per-message plan, and counters as native atomics."""
 
 import multiprocessing as mp
@@ -47,7 +47,7 @@ def through_pipe(obj):
 
 
 @pytest.mark.parametrize("array", SMALL, ids=lambda a: f"{a.dtype}{a.shape}")
-def test_fast_reducer_writes_the_bytes_numpy_writes(array):
+def test_reduce_ndarray_writes_the_bytes_numpy_writes(array):
     """Below the threshold the native reducer is numpy's own reduce: the
     pickled bytes are exactly those of plain pickling."""
     assert array.nbytes < torchshm.get_threshold()
@@ -58,7 +58,7 @@ def test_fast_reducer_writes_the_bytes_numpy_writes(array):
     assert _C.reduce_ndarray(array) == array.__reduce__()
 
 
-def test_fast_reducer_counts_inline_arrays():
+def test_reduce_ndarray_counts_inline_arrays():
     arrays = [np.full(100, i) for i in range(50)]
     before = torchshm.stats()
     ForkingPickler.dumps(arrays)
@@ -82,7 +82,7 @@ def test_threshold_changes_reach_the_fast_path():
 def test_packing_still_starts_after_a_threshold_of_small_arrays():
     """PACK_MIN..threshold arrays go inline for a threshold's worth, then are
     packed into the message's chunk (Note [Counting a message's small
-    arrays] in csrc/message.cpp)."""
+    arrays] in csrc/send/message.cpp)."""
     torchshm.set_threshold(4 * _sender.PACK_MIN)
     arrays = [np.full(_sender.PACK_MIN, i, np.uint8) for i in range(10)]
     before = torchshm.stats()
@@ -158,7 +158,7 @@ def test_counters_count_sends_resends_and_receives():
     assert delta["arrays_resent"] == 1 and delta["arrays_shared"] == 0
     assert delta["bytes_copied"] == 0 and delta["arrays_received"] == 1
     # The same snapshot, privately mapped for each message (Note [Snapshots
-    # are mapped privately] in csrc/segment.h).
+    # are mapped privately] in csrc/lifetime/segment.h).
     assert _segments.name_of(_C.memory_owner(again)) == _segments.name_of(
         _C.memory_owner(r)
     )

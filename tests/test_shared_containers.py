@@ -606,7 +606,7 @@ def test_workers_read_every_item_without_writing_a_page(ctx, child):
         (mapping,) = report["mappings"]
         assert _doctor.SEGMENT_MAPPING in mapping["path"]
         # The buffer is read-only: its copy-on-write mapping (Note [Snapshots
-        # are mapped privately] in csrc/segment.h), from which reading copies
+        # are mapped privately] in csrc/lifetime/segment.h), from which reading copies
         # no page.
         assert mapping["perms"] == "rw-p"
         assert mapping["private_dirty_kb"] == 0, mapping

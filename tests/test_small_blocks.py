@@ -1,5 +1,5 @@
 """Small born arrays carved from shared slabs (issue 38, Note [Small blocks]
-in csrc/slabs.h): no segment each, sent by reference like any born array, and
+in csrc/lifetime/slabs.h): no segment each, sent by reference like any born array, and
 no byte handed out twice while anything may still read it."""
 
 import gc

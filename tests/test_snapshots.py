@@ -1,6 +1,7 @@
 """One snapshot for an unchanged array sent many times, mapped privately by
 its receivers, read-only arrays too (Notes [Resending an unchanged array] in
-csrc/snapshots.h and [Snapshots are mapped privately] in csrc/segment.h)."""
+csrc/send/snapshots.h and [Snapshots are mapped privately] in
+csrc/lifetime/segment.h)."""
 
 import gc
 from multiprocessing.reduction import ForkingPickler
@@ -45,7 +46,7 @@ def test_an_unchanged_array_sent_to_many_receivers_is_one_snapshot(ctx, child):
 def test_a_model_of_many_small_layers_is_one_copy_for_many_receivers(ctx, child):
     """Layers that share a message's chunk are resent as an array of a
     segment of its own is (Note [Resending an unchanged array] in
-    csrc/snapshots.h): a model sent to 3 tasks is copied once."""
+    csrc/send/snapshots.h): a model sent to 3 tasks is copied once."""
     layers = [np.arange(65_536.0) + i for i in range(16)]  # 512 KiB each
     before = torchshm.stats()
     children = [child(ctx, kids.describe_layers) for _ in range(3)]

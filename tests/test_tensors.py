@@ -1,7 +1,7 @@
 """Torch tensors through torchshm's memory (the tensor switch: TORCHSHM_TENSORS=1
 or register(tensors=True)): rebuilt as torch rebuilds them, aliased both
 ways, one storage per segment, torch's own path where torch keeps it, and
-the lifetimes arrays have (Note [Tensor storages] in csrc/tensors.h)."""
+the lifetimes arrays have (Note [Tensor storages] in csrc/send/tensors.h)."""
 
 import json
 import multiprocessing as mp
@@ -166,7 +166,7 @@ def test_past_its_fd_share_the_sender_falls_back_to_torch_once(child, ctx):
     c.send("done")
 
 
-# Small storages: blocks of slabs (Note [Small storages] in csrc/tensors.h) --
+# Small storages: blocks of slabs (Note [Small storages] in csrc/send/tensors.h) --
 
 
 @pytest.mark.parametrize("nbytes", [4, 4096, 64 << 10])
@@ -194,7 +194,7 @@ def test_a_small_storage_is_a_block_of_a_slab_shared_both_ways(
 def test_small_storages_a_consumer_keeps_share_their_senders_slab(ctx, child):
     # A DataLoader's labels: each batch's block dies in its worker once sent,
     # while the main process keeps the batch. The worker carves on in the
-    # same slab (Note [Small blocks] in csrc/slabs.h), not a slab per batch.
+    # same slab (Note [Small blocks] in csrc/lifetime/slabs.h), not a slab per batch.
     count = 64
     c = child(ctx, tc.send_small_one_by_one, count)
     kept = []
@@ -436,7 +436,7 @@ def test_a_received_arrays_base_sent_on_carries_its_bytes_and_no_one_elses(
     """The int8 tensor under a received array (its .base) sent on is no
     window into the snapshot: the next receiver gets the forwarder's bytes
     (its writes included), and its own writes reach nobody who holds that
-    snapshot, nor the forwarder (Note [Tensor storages] in csrc/tensors.h)."""
+    snapshot, nor the forwarder (Note [Tensor storages] in csrc/send/tensors.h)."""
     torchshm.register(tensors=switch)
     sent = np.full(1 << 20, 7, dtype=np.uint8)
     holder = child(ctx, tc.forward_base, switch, None)  # never writes

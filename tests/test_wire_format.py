@@ -17,7 +17,7 @@ keep loading them. To write this version's file (once, for a new format):
 tests/data/containers_<N>.json hold SharedLists and SharedDicts pickled with
 plain pickle (their buffers by value, as in a file): containers_1 by the
 version that pickled every item, containers_2 by the first with torchshm's
-item format (Note [Item format] in csrc/items.h), and a file for each later
+item format (Note [Item format] in csrc/items/items.h), and a file for each later
 item format. Written the same way:
 
     python -m tests.test_wire_format tests/data/containers_<N>.json

@@ -58,7 +58,7 @@ def check_native(native):
     """Raises an ImportError naming both versions unless the native module
     `native` was built for this process's torch and numpy, or naming the fix
     if it carries a C++ runtime of its own (Note [One C++ runtime] in
-    csrc/cxx_runtime.h)."""
+    csrc/base/cxx_runtime.h)."""
     if getattr(native, "own_cxx_runtime", False):
         raise ImportError(
             "torchshm's native module was linked with a C++ runtime of its own"

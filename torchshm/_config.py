@@ -19,8 +19,8 @@ import threading
 import warnings
 from typing import Union
 
-from torchshm._lifetime.keeper import paths as _paths
-from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._keeper import paths as _paths
+from torchshm._keeper import protocol as _protocol
 
 DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_POOL_IDLE_SECONDS = 30.0
@@ -75,7 +75,7 @@ def parse_boolean(text):
 
 
 def parse_session(text):
-    # The keeper's rule: a session id is part of file names (keeper/paths.py).
+    # The keeper's rule: a session id is part of file names (_keeper/paths.py).
     if not _paths.valid_session(text):
         raise ValueError(f"expected {SESSION}; got {text!r}")
     return text

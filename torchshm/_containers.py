@@ -29,7 +29,7 @@ plain list, 1.2-1.6 us of pickle.loads out of about 2 us. Pickle pays for
 its generality on every call: an Unpickler and its memo per item, an
 opcode loop, new key strings each read. Most dataset items are plain data:
 None, bool, int, float, str, bytes, list, tuple, dict. So an item goes in
-torchshm's own format (csrc/items.h, Note [Item format]) when that
+torchshm's own format (csrc/items/items.h, Note [Item format]) when that
 represents it exactly, and _C.ItemReader, the base of SharedList, decodes
 it from the buffer in the one C call that shared[i] makes: no memoryview
 slice, no Python frame. Decoding the record takes 0.36 us (pickle.loads:

@@ -2,7 +2,7 @@
 this node may load, any number of times, while their exporter keeps them.
 
 A ForkingPickler message is meant to be loaded once (its tickets, Note
-[Segment lifetime] in csrc/segment.h): a second load is valid only while the
+[Segment lifetime] in csrc/lifetime/segment.h): a second load is valid only while the
 sender has not reused the memory. A handle is different: its exporter pins
 every segment the handle names (it holds a view of each, so its pool never
 reuses them and they are never unlinked) until the handle is released. So:
@@ -131,7 +131,7 @@ class _HandlePickler(ForkingPickler):
     def __init__(self, file):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         for t in _registry.TYPES:
-            self.dispatch_table[t] = _sender.REDUCER
+            self.dispatch_table[t] = _sender.reduce_ndarray
         self.pins = {}  # segment name -> the tensor over it that we hold
 
     def reducer_override(self, obj):

@@ -1,6 +1,6 @@
 """How much shared memory this process can really have.
 
-torchshm's segments are memfds (Note [Segment lifetime] in csrc/segment.h):
+torchshm's segments are memfds (Note [Segment lifetime] in csrc/lifetime/segment.h):
 the /dev/shm mount does not bound them. Their pages are charged to the memory
 cgroup of the process that touches them first, so a container's memory limit
 does, as does the machine's memory. This module reads both (cgroup v2

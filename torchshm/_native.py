@@ -12,18 +12,18 @@ here, in two ways and no others:
 C++ also calls Python that is not torchshm's: the protocols of the objects
 it moves, which decide nothing of torchshm's: eight, each where pickle or
 numpy itself would make it:
-- csrc/message.cpp: an object's `__reduce__` (reduce_with_token and the
+- csrc/send/message.cpp: an object's `__reduce__` (reduce_with_token and the
   sender's two fallbacks: numpy's own reduce of a small or odd array);
   numpy's `dtype.metadata` and `dtype.str` (view_args: the dtype that
   travels).
-- csrc/rebuild.cpp: `reconstruct(*args)` and `__setstate__`
+- csrc/send/rebuild.cpp: `reconstruct(*args)` and `__setstate__`
   (rebuild_inline, pickle's own REDUCE and BUILD); `view(subtype)` (a
   subclass rebuilt over a mapping).
-- csrc/item_reader.cpp: a pickled item's `load` (the unpickler the reader
+- csrc/items/item_reader.cpp: a pickled item's `load` (the unpickler the reader
   was given) and `_slice` (a SharedList subclass's own slicing).
-- csrc/views.cpp: `_torchshm_owner` set on the tensor that aliases a
+- csrc/lifetime/views.cpp: `_torchshm_owner` set on the tensor that aliases a
   private mapping (it keeps its owner alive).
-A new call into Python from C++ is a hook in csrc/config.h, or one of these
+A new call into Python from C++ is a hook in csrc/base/config.h, or one of these
 (tests/test_imports.py counts them by file).
 torchshm/__init__.py calls configure() once every module is imported, so no
 module's import wires anything and the import order decides nothing. The
@@ -41,7 +41,7 @@ _compat.check_native(_C)
 
 def configure(*, policy, hooks, writers, max_depth, pool):
     """Hands the native side every policy number (`policy`: _sender.policy())
-    and every hook (`hooks`: name -> callable, as csrc/config.h lists them),
+    and every hook (`hooks`: name -> callable, as csrc/base/config.h lists them),
     the writer frames (_channel.WRITERS) and the sender's pool, in one call.
     Called once, by torchshm/__init__.py."""
     _C.configure(

@@ -3,7 +3,7 @@
 The rebuild functions' module and names, and their arguments, are in every
 pickle torchshm ever wrote: never rename or move them (tests/test_wire_format.py
 loads messages that earlier versions wrote). The hot ones are native (Note
-[One message, one snapshot] in csrc/message.h), made under exactly these
+[One message, one snapshot] in csrc/send/message.h), made under exactly these
 names, so that pickle names them here. The policy that decides what to send is
 in _send/sender.py; a message's state, and the segment references it writes, are
 native too.
@@ -42,14 +42,14 @@ def rebuild_ndarray_from_reduced_storage(rebuild_storage, storage_args, *view):
 def rebuild_storage(owner, nbytes):
     """Rebuilds a torch storage sent by reference: this process's one
     storage over the first `nbytes` of `owner`'s segment (Note [Tensor
-    storages] in csrc/tensors.h). torch's own rebuilds make the tensor."""
+    storages] in csrc/send/tensors.h). torch's own rebuilds make the tensor."""
     return untyped_storage(_C.segment_storage(owner, nbytes))
 
 
 def rebuild_storage_block(owner, offset, nbytes):
     """Rebuilds a small torch storage sent by reference: this process's one
     storage over the `nbytes` at `offset` of `owner`'s segment, a slab
-    (Note [Small storages] in csrc/tensors.h)."""
+    (Note [Small storages] in csrc/send/tensors.h)."""
     return untyped_storage(_C.block_storage(owner, offset, nbytes))
 
 
@@ -75,7 +75,7 @@ def rebuild_arrow_buffer(array):
 
 
 def attach_segment(locator, ticket=0, generation=0):
-    """Unpickles a SegmentRef (csrc/message.h): maps the segment and claims
+    """Unpickles a SegmentRef (csrc/send/message.h): maps the segment and claims
     the message's ticket (once per message; see Note [Segment lifetime])."""
     return _attach.attach(locator, ticket, generation)
 

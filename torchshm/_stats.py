@@ -1,6 +1,6 @@
 """Counters a user can read with torchshm.stats().
 
-The counts are atomics in the native module (csrc/stats.h), so the sender
+The counts are atomics in the native module (csrc/base/stats.h), so the sender
 and receiver paths count without a lock or a call into Python; fallbacks,
 keyed by a reason's text and rare, are counted here."""
 
@@ -24,34 +24,34 @@ COUNTERS = (
     "allocations_shared",  # NumPy allocations born in a segment (allocating())
     "allocations_fallback",  # ...that shared memory could not take: NumPy's
     # A fork that went on while a joined torchshm thread was still listed
-    # (Note [Threads at fork] in csrc/parallel.h).
+    # (Note [Threads at fork] in csrc/base/parallel.h).
     "fork_waits_timed_out",
     # An unchanged array sent again over its last snapshot: compared, not
-    # copied (Note [Resending an unchanged array] in csrc/snapshots.h).
+    # copied (Note [Resending an unchanged array] in csrc/send/snapshots.h).
     "snapshots_resent",
     # A writable array of a snapshot that this process could not map
     # privately: copied (Note [Snapshots are mapped privately] in
-    # csrc/segment.h).
+    # csrc/lifetime/segment.h).
     "arrays_copied_on_receive",
     # A private mapping walked for the pages this process wrote before it
     # served another message: it took a page fault meanwhile (Note [Knowing
-    # that nothing was written] in csrc/private_mappings.h).
+    # that nothing was written] in csrc/lifetime/private_mappings.h).
     "private_mappings_walked",
     # Torch storages moved into a segment in place (one copy), and storages
-    # sent by reference (Note [Tensor storages] in csrc/tensors.h).
+    # sent by reference (Note [Tensor storages] in csrc/send/tensors.h).
     "storages_moved",
     "storages_sent",
     # A new segment met a cap (memory, fds, the session table) and the pool
     # released its idle segments so that it fits (Note in segments.py).
     "pool_gave_way",
     # A storage over pages of a snapshot this process wrote, sent as a new
-    # snapshot (Note [Tensor storages] in csrc/tensors.h).
+    # snapshot (Note [Tensor storages] in csrc/send/tensors.h).
     "storages_copied",
     # Segments a forked child could not be given a hold on: kept until the
     # session ends instead (Note [Fork] in _lifetime/lifecycle.py).
     "segments_pinned_at_fork",
 )
-if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/stats.h keeps the same order
+if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/base/stats.h keeps the same order
     raise ImportError(
         f"torchshm: native counters {_C.COUNTER_NAMES} do not match {COUNTERS};"
         " rebuild torchshm"

@@ -10,7 +10,7 @@ how many fall back, and the memory they add beside NumPy's own (private RSS
 plus the machine's Shmem growth); what an allocation costs once that cap is
 reached (it falls back to NumPy); and the memory that slabs kept by a few
 live blocks hold (one 1 KiB array in 64 kept: bounded, Note [Small blocks]
-in csrc/slabs.h). Every (mode, case) runs in a fresh interpreter
+in csrc/lifetime/slabs.h). Every (mode, case) runs in a fresh interpreter
 (this file), so no pool carries over; medians of 3.
 """
 

@@ -1,6 +1,6 @@
 """How a receiver maps the segment a message names, claiming its ticket, and
 keeps the mapping for reuse once its arrays are gone (_mappings). See Note
-[Segment lifetime] in csrc/segment.h for the holder protocol, and for where a
+[Segment lifetime] in csrc/lifetime/segment.h for the holder protocol, and for where a
 receiver finds a segment's fd (_open).
 """
 
@@ -14,7 +14,7 @@ from torchshm import _config, _stats
 from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import fds as _fds
 from torchshm._lifetime import holdings as _holdings
-from torchshm._lifetime.keeper import paths as _paths
+from torchshm._keeper import paths as _paths
 from torchshm._lifetime import mappings as _mappings
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
@@ -31,7 +31,7 @@ def attach(locator, ticket, generation):
 
     A message loaded a second time finds its ticket claimed: it takes a slot
     of its own, valid only while the segment still holds the generation the
-    message was written in (Note [Segment lifetime] in csrc/segment.h)."""
+    message was written in (Note [Segment lifetime] in csrc/lifetime/segment.h)."""
     name, where = parse_locator(locator)
     _join_to_load()
     me = _C.process_id()
@@ -88,7 +88,7 @@ def _ensure_private_mapping(segment, where):
     if it has none idle (its arrays of an earlier message live, or its
     sender reused the segment as a snapshot since): a receiver keeps no fd,
     so it opens the segment again for an instant (Note [Snapshots are
-    mapped privately] in csrc/segment.h). If that fails, the message still
+    mapped privately] in csrc/lifetime/segment.h). If that fails, the message still
     loads: its writable arrays are copied (arrays_copied_on_receive)."""
     if not segment.snapshot or segment.private_ready:
         return
@@ -159,7 +159,7 @@ def _open(session, uid, index, creator_pid, creator_fd):
     return segment
 
 
-# What a segment's fd links to (csrc/segment.cpp names its memfds).
+# What a segment's fd links to (csrc/lifetime/segment.cpp names its memfds).
 SEGMENT_LINK = "/memfd:torchshm-segment:"
 
 

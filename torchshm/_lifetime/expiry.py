@@ -19,12 +19,12 @@ from torchshm._native import _C
 #   (oldest_quiet_use + idle); none earlier can;
 # - while every pooled segment has a local view, never: the first one whose
 #   last local view dies writes a byte to a pipe (wake_when_quiet in
-#   csrc/segment.h), once per such sleep;
+#   csrc/lifetime/segment.h), once per such sleep;
 # - while a segment past its time is still held by another process, or
 #   mappings are cached, every quarter of the idle time, at most
 #   EXPIRY_PERIOD_MAX apart;
 # - while segments this process created are kept for messages in flight
-#   (prune_in_flight in csrc/segment.h), every IN_FLIGHT_PERIOD, to let go
+#   (prune_in_flight in csrc/lifetime/segment.h), every IN_FLIGHT_PERIOD, to let go
 #   of those whose messages were read. The first one kept wakes it like a
 #   quiet segment; it runs while this process has segments of its own
 #   outside its pool, asleep until one is kept.

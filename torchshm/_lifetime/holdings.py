@@ -18,7 +18,7 @@ lock = threading.RLock()
 # The segments this process created, reused once idle (pool.py).
 pool = _pool.Pool()
 # This process's live view of each segment, by name (Note [Live views] in
-# csrc/live.h): the sender's plan records the pooled segments it takes there
+# csrc/lifetime/live.h): the sender's plan records the pooled segments it takes there
 # too, without entering Python.
 live = _C.live
 # Set by the exit finalizer (_lifecycle): no thread may start after it.

@@ -27,9 +27,9 @@ from torchshm._native import _C
 # inode left in /dev/shm; every slot of a segment taken; any other error),
 # the segment goes unprotected no more: the parent pins it (never reused,
 # never rewound, closed when the session ends; Note [Segment lifetime] in
-# csrc/segment.h), with one warning, and the child reads it safely. Only a
+# csrc/lifetime/segment.h), with one warning, and the child reads it safely. Only a
 # fork this hook prepared lets the child inherit segment memory at all (Note
-# [Forks torchshm did not prepare] in csrc/fork_guard.h): a fork() from C
+# [Forks torchshm did not prepare] in csrc/lifetime/fork_guard.h): a fork() from C
 # runs no hook, and its child cannot read what it inherited.
 _for_child = []
 
@@ -53,7 +53,7 @@ def _lock_with_timer_halted():
 def _before_fork():
     # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
     # thread holding a lock would leave it held in the child): joined, and
-    # gone from /proc/self/task (Note [Threads at fork] in csrc/parallel.h).
+    # gone from /proc/self/task (Note [Threads at fork] in csrc/base/parallel.h).
     _lock_with_timer_halted()
     try:
         _C.wait_threads_gone()
@@ -146,7 +146,7 @@ _MESSAGES_AT_EXIT_SECONDS = 2.0
 
 
 def _exit():
-    # Note [Messages at exit] in csrc/message.h: no other thread starts a
+    # Note [Messages at exit] in csrc/send/message.h: no other thread starts a
     # message from here on, and those under way end before finalization.
     _C.begin_exit()
     deadline = time.monotonic() + _MESSAGES_AT_EXIT_SECONDS

@@ -3,9 +3,9 @@
 Writing into fresh tmpfs pages runs at ~1.3 GB/s (page allocation and faults);
 into already-mapped pages at memcpy speed. So a sender keeps the segments it
 created and reuses one when no slot but its own names a live holder (see
-Note [Segment lifetime] in csrc/segment.h). The pool is capped; segments idle
+Note [Segment lifetime] in csrc/lifetime/segment.h). The pool is capped; segments idle
 for pool_idle_seconds() are released. Only policy lives here; the index is
-native (csrc/pool.h, Note [Segment pool]), so that the sender's plan can take
+native (csrc/lifetime/pool.h, Note [Segment pool]), so that the sender's plan can take
 a pooled segment without entering Python. Its callers hold _holdings.lock
 for everything that comes through here.
 """
@@ -31,7 +31,7 @@ _THOROUGH_SCAN_SECONDS = 1.0
 
 class SessionBudget:
     """What the session's live processes pool, in the session table that the
-    keeper made (csrc/table.h): each process records its own pool's size.
+    keeper made (csrc/lifetime/table.h): each process records its own pool's size.
     Nobody else can name it, so nobody else can disable it."""
 
     def others(self, mine):
@@ -43,7 +43,7 @@ class SessionBudget:
 
 
 class Pool:
-    """The policy around the native index (csrc/pool.h, Note [Segment pool]):
+    """The policy around the native index (csrc/lifetime/pool.h, Note [Segment pool]):
     what to admit, when to release, and when the sender's plan may take
     without coming through here."""
 

@@ -1,9 +1,9 @@
-"""The allocation seam: where this process's shared memory comes from.
+"""The allocation path: where this process's shared memory comes from.
 
 Every segment torchshm creates goes through `allocate`, with one exception:
 the sender's plan takes idle pooled segments itself while the pool is armed,
 and records them in the live table as allocate does (Note [Segment pool] in
-csrc/pool.h). A sender's segments come from its pool (pool.py) and are
+csrc/lifetime/pool.h). A sender's segments come from its pool (pool.py) and are
 reused once idle. Receivers map segments through attach.py; what the
 process holds is in holdings.py, the timer that gives idle memory back in
 expiry.py, fork and exit in lifecycle.py.
@@ -23,7 +23,7 @@ from torchshm._native import _C
 # would overflow; no machine has the memory anyway).
 MAX_SEGMENT_BYTES = 1 << 56
 # A creator keeps its own fd of each segment it holds, and of each that a
-# message in flight names (Note [Segment lifetime] in csrc/segment.h): up to
+# message in flight names (Note [Segment lifetime] in csrc/lifetime/segment.h): up to
 # this share of its hard fd limit, raising its soft limit as they need. Past
 # it, no new segment is made (the sender pickles by value) rather than one
 # whose messages a keeper's death could lose.
@@ -35,7 +35,7 @@ def allocate(nbytes, populate=True):
     first nbytes). Raises SharedMemoryError if memory cannot hold it (the
     cgroup's or the machine's: segments are memfds, not /dev/shm files).
     Without `populate`, a fresh segment's pages are made by the sender's
-    writes into it (csrc/segment.h, Segment::fill), not up front."""
+    writes into it (csrc/lifetime/segment.h, Segment::fill), not up front."""
     return allocate_block(nbytes, populate)[0]
 
 
@@ -164,7 +164,7 @@ def _create(capacity, populate=True):
         _config.copy_threads(),
         populate,
     )
-    _session.register(segment)  # if the keeper does not take it: no segment
+    _session.register_segment(segment)  # if the keeper does not take it: no segment
     _stats.add("segments_created")
     return segment
 

@@ -1,11 +1,11 @@
 """Session membership: every process that may hold torchshm memory, and its
-line to the session's keeper (keeper/daemon.py, Note [Segment lifetime] in
-csrc/segment.h).
+line to the session's keeper (_keeper/daemon.py, Note [Segment lifetime] in
+csrc/lifetime/segment.h).
 
 A session is the process tree of the first process that imported torchshm. Its
 id travels in the environment (spawn and forkserver children inherit it).
 Every member holds one connection to the keeper, through a socket in the
-user's run directory in /dev/shm (keeper/paths.py) that any network namespace
+user's run directory in /dev/shm (_keeper/paths.py) that any network namespace
 sharing this /dev/shm reaches; the keeper sees a member die when that
 connection closes. Forked children connect anew.
 
@@ -26,7 +26,6 @@ import errno
 import os
 import secrets
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -34,15 +33,15 @@ import time
 
 from torchshm import _config
 from torchshm._lifetime import fds as _fds
-from torchshm._lifetime.keeper import paths as _paths
-from torchshm._lifetime.keeper import protocol as _protocol
+from torchshm._keeper import paths as _paths
+from torchshm._keeper import protocol as _protocol
 from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
 _lock = threading.RLock()  # joining, and every request on the connection
 _connection = None  # this process's member connection
 _session = None
-_table = None  # the session table (csrc/table.h)
+_table = None  # the session table (csrc/lifetime/table.h)
 _keeper_pid = 0  # 0: not visible from this PID namespace
 _foreign = {}  # session -> (table, keeper pid) of sessions we fetched from
 
@@ -192,7 +191,7 @@ def keeper_pid(session=None):
     return found[1] if found else 0
 
 
-def register(segment):
+def register_segment(segment):
     """Hands a new segment's fd to the keeper (no reply: the keeper serves
     requests in order, and a fetch waits for registrations queued on other
     connections). Rejoins a keeper that died, once. Raises SharedMemoryError
@@ -423,18 +422,12 @@ def _connect_soon(session):
     return conn
 
 
-def _peer_creds(conn):
-    return struct.unpack(
-        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    )
-
-
 def _peer_uid(conn):
-    return _peer_creds(conn)[1]
+    return _protocol.peer_creds(conn)[1]
 
 
 def _peer_pid(conn):
-    return _peer_creds(conn)[0]
+    return _protocol.peer_creds(conn)[0]
 
 
 def _start_keeper(session):

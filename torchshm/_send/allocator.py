@@ -1,6 +1,6 @@
 """Arrays born in shared memory: NumPy allocates large arrays in pooled
 segments, so sending them costs no copy at all (Note [Born shared] in
-csrc/allocator.h for the mechanism).
+csrc/send/allocator.h for the mechanism).
 
 NumPy keeps its memory handler in a context variable, so turning this on is
 local to a thread or an asyncio task (a new thread starts with NumPy's
@@ -170,7 +170,9 @@ def _handler(min_bytes):
 # growing with what is held). Until this process frees a born block or a
 # segment fd, or AT_CAP_SECONDS pass (a cap another process's frees lift),
 # allocations go straight to NumPy.
-AT_CAP_SECONDS = _C.DECLINED_RETRY_SECONDS  # the slabs' wait too (csrc/slabs.h)
+AT_CAP_SECONDS = (
+    _C.DECLINED_RETRY_SECONDS
+)  # the slabs' wait too (csrc/lifetime/slabs.h)
 _at_cap = None  # (until, what was held): (monotonic seconds, _held())
 
 
@@ -191,9 +193,9 @@ def _still_at_cap():
 
 
 def source(nbytes):
-    """The born handler's hook (Note [Born shared] in csrc/allocator.h):
+    """The born handler's hook (Note [Born shared] in csrc/send/allocator.h):
     (segment tensor, reused) for a block of nbytes (a slab for small blocks:
-    Note [Small blocks] in csrc/slabs.h), or None to let NumPy allocate it.
+    Note [Small blocks] in csrc/lifetime/slabs.h), or None to let NumPy allocate it.
     Never raises: an exception here would surface in whatever NumPy call
     allocated."""
     global _at_cap

@@ -1,5 +1,5 @@
 """Which pipe a message is being written to, so that its tickets can die
-with the pipe (Note [Segment lifetime] in csrc/segment.h).
+with the pipe (Note [Segment lifetime] in csrc/lifetime/segment.h).
 
 A reducer is not told where its bytes go. multiprocessing writes every
 message through a Connection, and the frames above the pickler say whether
@@ -7,7 +7,7 @@ one is: Connection.send (Pipe, Pool's queues), SimpleQueue.put, and the
 feeder thread of Queue (`_feed`). WRITERS lists their code objects; the
 native pickling side looks for one on the stack when it issues a ticket, and
 marks the ticket "being written" by this process if it finds one (Note [One
-message, one snapshot] in csrc/message.h).
+message, one snapshot] in csrc/send/message.h).
 
 Every multiprocessing write of a message ends in Connection._send_bytes, in
 the thread that pickled it, so install() wraps that one method: before the

@@ -23,7 +23,7 @@ from torchshm._send import tensors as _tensors
 
 # The array types, and every type's reducer.
 TYPES = (np.ndarray,) + _sender.SUBCLASSES
-REDUCERS = {t: _sender.REDUCER for t in TYPES}
+REDUCERS = {t: _sender.reduce_ndarray for t in TYPES}
 REDUCERS[_tensors.STORAGE] = _tensors.reduce_storage
 _lock = threading.Lock()
 _previous = None  # the reducers we replaced, restored by unregister()
@@ -205,7 +205,7 @@ def unregister() -> None:
 def sharing() -> Iterator[None]:
     """Sharing mode (torchshm.share): arrays copied inside the block become
     shared memory, written through by every holder, not snapshots (Note
-    [Sender plan] in csrc/plan.h)."""
+    [Sender plan] in csrc/send/plan.h)."""
     was = _C.set_sharing(True)
     try:
         yield
@@ -251,7 +251,7 @@ def is_registered() -> bool:
     ...     torchshm.is_registered()
     False
     """
-    return _compat.forking_reducers().get(np.ndarray) is _sender.REDUCER
+    return _compat.forking_reducers().get(np.ndarray) is _sender.reduce_ndarray
 
 
 @contextlib.contextmanager

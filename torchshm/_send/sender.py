@@ -1,8 +1,8 @@
 """The sender's policy: which ndarrays go through shared memory, and what
 happens when one cannot.
 
-The registered ForkingPickler reducer is native (`REDUCER`, Note [One
-message, one snapshot] in csrc/message.h): it decides by size and places
+The registered ForkingPickler reducer is native (`reduce_ndarray`, Note [One
+message, one snapshot] in csrc/send/message.h): it decides by size and places
 every array of at least min(threshold, PACK_MIN) bytes without entering
 Python. It asks Python three things, at most one per array, through the hooks
 below (Note [The seam] in _native.py): how to reduce an object or empty array
@@ -100,7 +100,7 @@ def reduce_torch_owned(tensor, view):
 
 
 # The reducer registered with ForkingPickler (see the module's docstring).
-REDUCER = _C.reduce_ndarray
+reduce_ndarray = _C.reduce_ndarray
 
 
 def allocate(nbytes):

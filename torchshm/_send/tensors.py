@@ -1,5 +1,5 @@
 """Torch tensors through torchshm's segments: the policy (the mechanism is
-Note [Tensor storages] in csrc/tensors.h).
+Note [Tensor storages] in csrc/send/tensors.h).
 
 torch's own tensor reducer takes a tensor apart (its checks, its metadata,
 Parameter, sparse and nested layouts, CUDA) and pickles its storage; torchshm
@@ -26,7 +26,7 @@ share_memory_(): a storage moves in place when it is first sent (an ndarray
 made from the tensor before then no longer aliases it); a storage
 _new_shared makes is not zeroed (torch's callers, the default collate and
 checkpoint staging, overwrite every byte). A storage of up to 64 KiB is a
-block of a slab (Note [Small storages] in csrc/tensors.h), larger ones a
+block of a slab (Note [Small storages] in csrc/send/tensors.h), larger ones a
 pooled segment each. Storages torch shared itself
 (share_memory_()) keep torch's path. Where shared memory fails, torch's own
 path carries the storage, with one warning (torchshm._fallback); the reducer
@@ -142,7 +142,7 @@ def _reference(rebuild, owner, *where):
 
 def _snapshot(view):
     """A new snapshot holding the bytes of the storage `view` lies over
-    (Note [Tensor storages] in csrc/tensors.h); that storage stays where it
+    (Note [Tensor storages] in csrc/send/tensors.h); that storage stays where it
     is."""
     owner = _segments.allocate(max(1, view.numel()), populate=False)
     _C.snapshot_storage(view, owner, _config.copy_threads())

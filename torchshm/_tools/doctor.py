@@ -2,7 +2,7 @@
 
 doctor: what bounds shared memory here (the /dev/shm mount, the memory
 cgroup, the machine), which of them bounds torchshm (not /dev/shm: its
-segments are memfds, Note [Segment lifetime] in csrc/segment.h), the live
+segments are memfds, Note [Segment lifetime] in csrc/lifetime/segment.h), the live
 torchshm sessions of this user with what each holds, and what a container
 needs. ls: this user's segments and their holders, one row each.
 """
@@ -13,7 +13,7 @@ import stat
 
 from torchshm import _memory
 from torchshm._lifetime import attach as _attach
-from torchshm._lifetime.keeper import paths as _paths
+from torchshm._keeper import paths as _paths
 from torchshm._lifetime import session as _session
 from torchshm._send import tensors as _tensors
 

@@ -1,0 +1,101 @@
+// Which segment mappings a forked child inherits (Note [Forks torchshm did
+// not prepare] in fork_guard.h).
+#include "lifetime/fork_guard.h"
+
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace torchshm {
+namespace {
+
+struct Guard {
+  std::mutex mutex;  // held across fork() by the forking thread
+  std::unordered_map<void*, size_t> mappings;  // start -> bytes
+  // The thread whose fork hook prepared the next fork, if any.
+  bool prepared = false;
+  pthread_t preparer{};
+  bool inheriting = false;  // the fork under way lets the child inherit
+};
+
+std::atomic<uint64_t> epoch{0};
+
+void advise_all(Guard& g, int advice) {
+  for (const auto& [p, n] : g.mappings) ::madvise(p, n, advice);
+}
+
+Guard& guard();
+
+void before_fork() {
+  Guard& g = guard();
+  g.mutex.lock();
+  g.inheriting = g.prepared && ::pthread_equal(g.preparer, ::pthread_self());
+  if (g.inheriting) advise_all(g, MADV_DOFORK);
+}
+
+void in_parent() {
+  Guard& g = guard();
+  if (g.inheriting) advise_all(g, MADV_DONTFORK);
+  g.prepared = g.inheriting = false;
+  g.mutex.unlock();
+}
+
+void in_child() {
+  Guard& g = guard();
+  if (g.inheriting) {
+    advise_all(g, MADV_DONTFORK);  // this child's own forks
+  } else {
+    g.mappings.clear();  // none of them is here
+    epoch.fetch_add(1);
+  }
+  g.prepared = g.inheriting = false;
+  // Only this thread is left, and it locked the mutex in before_fork.
+  g.mutex.unlock();
+}
+
+Guard& guard() {
+  // Never destroyed: mappings are let go during interpreter shutdown.
+  static Guard* instance = [] {
+    ::pthread_atfork(&before_fork, &in_parent, &in_child);
+    return new Guard();
+  }();
+  return *instance;
+}
+
+}  // namespace
+
+void track_mapping(void* p, size_t n) {
+  Guard& g = guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  ::madvise(p, n, MADV_DONTFORK);
+  g.mappings[p] = n;
+}
+
+void unmap_tracked(void* p, size_t n) {
+  Guard& g = guard();
+  // Under the mutex: a fork must never advise an address unmapped, and
+  // perhaps mapped again by someone else, meanwhile.
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (g.mappings.erase(p) == 0) return;
+  ::munmap(p, n);
+}
+
+void prepared_fork() {
+  Guard& g = guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.prepared = true;
+  g.preparer = ::pthread_self();
+}
+
+void fork_done_in_parent() {
+  Guard& g = guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.prepared = false;
+}
+
+uint64_t mapping_epoch() { return epoch.load(std::memory_order_relaxed); }
+
+}  // namespace torchshm

@@ -1,0 +1,87 @@
+#include "lifetime/live.h"
+
+#include <algorithm>
+
+#include "base/python_compat.h"
+#include "lifetime/segment.h"
+#include "lifetime/views.h"
+
+namespace torchshm {
+
+py::object referent(const py::object& weak) {
+  bool failed = false;
+  PyObject* obj = weak_referent(weak.ptr(), &failed);
+  if (failed) throw py::error_already_set();
+  return obj ? py::reinterpret_steal<py::object>(obj) : py::none();
+}
+
+py::object weak_ref(py::handle owner, py::handle callback) {
+  PyObject* weak = PyWeakref_NewRef(
+      owner.ptr(), callback.is_none() ? nullptr : callback.ptr());
+  if (weak == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(weak);
+}
+
+py::object LiveViews::live(const Entry& entry, bool* revived) {
+  py::object owner = referent(entry.weak);
+  if (!owner.is_none()) return owner;
+  c10::intrusive_ptr<c10::StorageImpl> storage = entry.storage.lock();
+  if (!storage) return py::none();
+  if (revived != nullptr) *revived = true;
+  return py::cast(tensor_of(at::Storage(std::move(storage))));
+}
+
+py::object LiveViews::get(const std::string& name) {
+  auto found = refs_.find(name);
+  if (found == refs_.end()) return py::none();
+  bool revived = false;
+  py::object owner = live(found->second, &revived);
+  // Remembered, so that the next message over it is rebuilt over it too.
+  if (revived) found->second.weak = weak_ref(owner, py::none());
+  return owner;
+}
+
+void LiveViews::remember(const std::string& name, py::handle owner,
+                         py::handle callback) {
+  const at::Storage storage = slot_owner_storage(unpack_tensor(owner));
+  refs_.insert_or_assign(
+      name, Entry{weak_ref(owner, callback), storage.getWeakStorageImpl()});
+  if (refs_.size() > prune_at_) {
+    prune();
+    prune_at_ = std::max<size_t>(64, 2 * refs_.size());
+  }
+}
+
+void LiveViews::forget_if_dead(const std::string& name) {
+  auto found = refs_.find(name);
+  if (found != refs_.end() && live(found->second).is_none()) refs_.erase(found);
+}
+
+std::vector<py::object> LiveViews::owners() const {
+  std::vector<py::object> out;
+  for (const auto& [name, entry] : refs_) {
+    py::object owner = live(entry);
+    if (!owner.is_none()) out.push_back(std::move(owner));
+  }
+  return out;
+}
+
+void LiveViews::prune() {
+  for (auto it = refs_.begin(); it != refs_.end();) {
+    if (live(it->second).is_none())
+      it = refs_.erase(it);
+    else
+      ++it;
+  }
+}
+
+void LiveViews::clear() { refs_.clear(); }
+
+LiveViews& live_views() {
+  // Never destroyed: weak references must not be freed after the
+  // interpreter is gone.
+  static auto* views = new LiveViews();
+  return *views;
+}
+
+}  // namespace torchshm

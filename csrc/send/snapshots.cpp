@@ -1,0 +1,77 @@
+#include "send/snapshots.h"
+
+#include "base/gil.h"
+#include "lifetime/identity.h"
+#include "lifetime/live.h"
+#include "lifetime/views.h"
+
+namespace torchshm {
+
+std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
+                                                    int64_t hi, int threads) {
+  auto found = entries_.find(key.ptr());
+  if (found == entries_.end()) return {py::none(), 0};
+  const Entry& e = found->second;
+  std::shared_ptr<Segment> segment = e.segment.lock();
+  if (e.lo != lo || e.hi != hi || segment == nullptr ||
+      segment->generation() != e.generation || !segment->snapshot() ||
+      segment->unlinked())
+    return {py::none(), 0};
+  const int64_t at = e.at;
+  // The view that keeps it: this process's live one, or a new one with a
+  // slot of its own, so that no release elsewhere unlinks it before the
+  // message's ticket is issued.
+  py::object owner = live_views().get(segment->name());
+  if (owner.is_none()) {
+    const uint64_t me = self_id();
+    const int slot = segment->take_slot(me);
+    if (slot < 0) return {py::none(), 0};
+    if (segment->unlinked() || segment->generation() != e.generation) {
+      segment->release_slot(slot, me);
+      return {py::none(), 0};
+    }
+    owner = py::cast(view_tensor(segment, slot, me));
+    live_views().remember(segment->name(), owner, py::none());
+  }
+  bool same = false;
+  {
+    // `key` (the caller's array) keeps the bytes alive; `owner` the segment.
+    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
+    same = segment->equals(at, reinterpret_cast<const uint8_t*>(lo), hi - lo,
+                           threads);
+  }
+  if (!same) {
+    entries_.erase(key.ptr());
+    return {py::none(), 0};
+  }
+  return {owner, at};
+}
+
+void SnapshotCache::remember(py::handle key, int64_t lo, int64_t hi,
+                             const std::shared_ptr<Segment>& segment,
+                             int64_t at) {
+  PyObject* ptr = key.ptr();
+  py::cpp_function forget([this, ptr](py::handle) { entries_.erase(ptr); });
+  PyObject* weak = PyWeakref_NewRef(ptr, forget.ptr());
+  if (weak == nullptr) {
+    // No weak references to it (bytes, say): not remembered, the next send
+    // copies.
+    PyErr_Clear();
+    return;
+  }
+  entries_[ptr] = Entry{py::reinterpret_steal<py::object>(weak),
+                        lo,
+                        hi,
+                        at,
+                        segment,
+                        segment->generation()};
+}
+
+SnapshotCache& snapshots() {
+  // Never destroyed: entries hold Python objects, and interpreter exit
+  // tears Python down before static destructors run.
+  static auto* cache = new SnapshotCache();
+  return *cache;
+}
+
+}  // namespace torchshm
