@@ -39,10 +39,28 @@ PATH = re.compile(
 PLACEHOLDER = re.compile(r"[A-Z]{3,}")
 
 
+# Build outputs and environments, in a copy of the tree without git (the
+# Debian lanes test such a copy of the tracked and untracked files).
+NOT_SOURCES = {".git", ".venv", "build", "_build", "__pycache__", "results"}
+
+
 def tracked():
-    listed = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    """The project's text files: git's list, or in a copy without git, every
+    file but build outputs."""
+    listing = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True
+    )
+    if listing.returncode == 0:
+        listed = listing.stdout.split()
+    else:
+        listed = [
+            path.relative_to(ROOT).as_posix()
+            for path in ROOT.rglob("*")
+            if not any(
+                part in NOT_SOURCES or part.endswith(".egg-info")
+                for part in path.relative_to(ROOT).parts
+            )
+        ]
     return [
         path
         for path in listed
