@@ -47,10 +47,13 @@ NOT_SOURCES = {".git", ".venv", "build", "_build", "__pycache__", "results"}
 def tracked():
     """The project's text files: git's list, or in a copy without git, every
     file but build outputs."""
-    listing = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True
-    )
-    if listing.returncode == 0:
+    try:
+        listing = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True
+        )
+    except FileNotFoundError:  # no git at all (the Debian 13 lane's root)
+        listing = None
+    if listing is not None and listing.returncode == 0:
         listed = listing.stdout.split()
     else:
         listed = [
