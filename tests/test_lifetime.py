@@ -329,9 +329,31 @@ def test_attach_refuses_what_is_not_a_sealed_segment_of_this_user():
         os.close(fd)
 
 
-@pytest.mark.skipif(
-    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
+def _nobody_cannot_start_python():
+    """Why uid 65534 cannot start this interpreter at all, or None: a root
+    setpriv is needed, and a Python whose shared libpython lies under /root
+    (mode 0700, as pyenv's --enable-shared builds) loads for root only."""
+    reason = _root_with("setpriv")
+    if reason is None:
+        run = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            + [sys.executable, "-S", "-c", "pass"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        if run.returncode:
+            reason = f"uid 65534 cannot start {sys.executable}: {run.stderr.strip()}"
+    return reason
+
+
+_NOBODY_CANNOT_START = _nobody_cannot_start_python()
+as_nobody = pytest.mark.skipif(
+    _NOBODY_CANNOT_START is not None, reason=str(_NOBODY_CANNOT_START)
 )
+
+
+@as_nobody
 def test_attach_refuses_another_users_memfd():
     seg = segment(pickle.loads(dumps(np.ones(10_000))))
     code = (
@@ -387,9 +409,7 @@ def test_sweeping_never_touches_another_users_files():
 # 7. The keeper ---------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
-)
+@as_nobody
 def test_the_keeper_refuses_other_users():
     code = (
         "import socket,sys\n"
@@ -417,9 +437,7 @@ def test_the_keeper_refuses_other_users():
     assert run.stdout.strip() in ("refused", "0")
 
 
-@pytest.mark.skipif(
-    _root_with("setpriv") is not None, reason=str(_root_with("setpriv"))
-)
+@as_nobody
 def test_a_keeper_that_cannot_see_a_processs_fds_judges_nothing_by_them():
     """A process that made itself non-dumpable keeps its /proc entry (Linux
     4.11+), but its fd/ and environ become root's: a keeper of that user
