@@ -10,8 +10,10 @@ here, in two ways and no others:
   The native side keeps no default of its own: a field configure() leaves
   out is an error at import, not a silent second copy of a number.
 C++ also calls Python that is not torchshm's: the protocols of the objects
-it moves, which decide nothing of torchshm's: eight, each where pickle or
-numpy itself would make it:
+it moves, which decide nothing of torchshm's: nine, each where pickle or
+numpy itself would make it (two of them, an item's loader and `_slice`, are
+torchshm's own code when the container is torchshm's, called as the
+protocol, not through a hook, and not counted in hook_calls):
 - csrc/send/message.cpp: an object's `__reduce__` (reduce_with_token and the
   sender's two fallbacks: numpy's own reduce of a small or odd array);
   numpy's `dtype.metadata` and `dtype.str` (view_args: the dtype that
