@@ -258,7 +258,7 @@ def test_the_keeper_imports_only_the_standard_library(stem):
 #   send      the sender's plan and message, snapshots, the allocator,
 #             tensors, and the rebuilds a message names
 #   top       the module's bindings
-# A header and its .cpp are one room; no two rooms include each other.
+# A header and its .cpp are one room; the rooms' includes form no cycle.
 CXX_LAYERS = ["base", "lifetime", "items", "send", "top"]
 CSRC = PACKAGE.parent / "csrc"
 INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
@@ -299,17 +299,7 @@ def test_csrc_includes_follow_the_wings_rule():
     assert not broken, broken
 
 
-def test_no_two_csrc_rooms_include_each_other():
+def test_the_include_graph_of_csrc_has_no_cycle():
     graph = include_graph()
-    loops = []
-
-    def walk(room, path):
-        for target in sorted(graph[room]):
-            if target in path:
-                loops.append(path[path.index(target) :] + [target])
-            else:
-                walk(target, path + [target])
-
-    for room in graph:
-        walk(room, [room])
-    assert not loops, loops
+    assert "lifetime/segment" in graph["send/plan"]  # the graph is read
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
