@@ -20,6 +20,10 @@ as the int8 tensors under its arrays (or the received tensors themselves),
 after writing a mark into half of them: the inspector checks every byte of
 what it was handed (the receiver's bytes, mark included) and, once the
 receiver has moved on and its memory may be reused, of what it inherited.
+In a quarter of the rounds (`--set late_threads=true`: all) senders send
+and receivers read, hold and check in a non-daemon thread that their
+process's target leaves running, so that multiprocessing's exit
+finalizers, torchshm's among them, run while they work.
 Each round runs in a driver process (`--driver`) that imports
 torchshm and so founds a session of its own; this top-level process never
 imports torchshm, so that once the drivers are gone nothing of the soak
@@ -304,12 +308,37 @@ def sender(cfg, s, channel, shared):
         torchshm.set_threshold(0)
         torchshm.set_allocator(True, min_bytes=1)
 
+    in_this_or_a_late_thread(cfg, send_messages, cfg, s, channel, shared)
+
+
+def in_this_or_a_late_thread(cfg, work, *args):
+    """Runs work(*args) here, or, in a late-threads round, in a non-daemon
+    thread that the process's target leaves working: multiprocessing then
+    runs the exit finalizers, torchshm's among them, before the thread is
+    done (Note [Exit after the threads] in torchshm/_lifetime/lifecycle.py)."""
+    if cfg["late_threads"]:
+        threading.Thread(target=work, args=args, daemon=False).start()
+    else:
+        work(*args)
+
+
+def send_messages(cfg, s, channel, shared):
     from multiprocessing import util
 
     def exited():
         shared.exited[s] = time.monotonic()
 
-    util.Finalize(None, exited, exitpriority=-1000)  # after torchshm's (-100)
+    try:
+        send_each(cfg, s, channel, shared)
+    finally:
+        # After torchshm's exit hook (-100). Registered once the messages
+        # are sent: in a late-threads round multiprocessing has run the
+        # finalizers registered before then, and runs this one with the
+        # hook, once the thread is done.
+        util.Finalize(None, exited, exitpriority=-1000)
+
+
+def send_each(cfg, s, channel, shared):
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
     started = time.monotonic()
@@ -462,6 +491,12 @@ def receiver(cfg, r, channels, shared, result_path):
     import torchshm  # noqa: F401
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # forks inherit it
+    in_this_or_a_late_thread(
+        cfg, receive_messages, cfg, r, channels, shared, result_path
+    )
+
+
+def receive_messages(cfg, r, channels, shared, result_path):
     rng = random.Random(f"{cfg['seed']}/receiver/{r}")
     window = rng.choice([0, 2, 8, 32])
     lock = threading.Lock()
@@ -1064,6 +1099,9 @@ def round_config(rng, index, send_seconds, hang_seconds):
         "born": rng.random() < 0.5,
         # Receivers fork an inspector every so many messages (0: never).
         "inspect_every": rng.choice((0, 8, 32)),
+        # Senders send and receivers read, hold and check in a non-daemon
+        # thread that outlives the process's target.
+        "late_threads": rng.random() < 0.25,
     }
 
 
@@ -1080,6 +1118,8 @@ def describe(cfg):
         what += " born shared"
     if cfg["inspect_every"]:
         what += f", an inspector forked every {cfg['inspect_every']}"
+    if cfg["late_threads"]:
+        what += ", in threads that outlive their targets"
     return (
         f"{cfg['method']}, {what}, pool {pool}{idle}, nofile {nofile}, "
         f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "

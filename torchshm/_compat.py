@@ -1,6 +1,6 @@
 """Every difference between torch 1.13-2.x and numpy 1.24-2.x, and every
-private attribute of torch, numpy and multiprocessing that torchshm uses, in
-one place.
+private attribute of torch, numpy, multiprocessing and threading that
+torchshm uses, in one place.
 
 Nothing else in torchshm touches a private attribute or branches on a
 version.
@@ -9,7 +9,8 @@ version.
 import json
 import os
 import re
-from multiprocessing import connection, forkserver, queues
+import threading
+from multiprocessing import connection, forkserver, queues, util
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -146,3 +147,24 @@ def connection_send_bytes():
 
 def set_connection_send_bytes(method):
     connection.Connection._send_bytes = method
+
+
+def run_finalizers(minpriority=None):
+    """Runs multiprocessing's exit finalizers of at least `minpriority`, or
+    all of them (then the registry is emptied), as its exit function does."""
+    util._run_finalizers(minpriority)
+
+
+# --- threading: where a process's non-daemon threads are joined
+
+
+def threading_shutdown():
+    """The function that joins a process's non-daemon threads at its end:
+    the interpreter calls it before atexit's handlers, a multiprocessing
+    child's bootstrap after the finalizers (threading._shutdown on Python
+    3.8 to 3.13, called by name each time)."""
+    return threading._shutdown
+
+
+def set_threading_shutdown(function):
+    threading._shutdown = function

@@ -1,12 +1,14 @@
 """A process's life with shared memory: what fork gives a child (Note
-[Fork]), and what an exit lets go of. install() hooks both in.
+[Fork]), and what an exit lets go of, once its threads are done (Note [Exit
+after the threads]). install() hooks both in.
 """
 
 import os
+import threading
 import time
 from multiprocessing import util
 
-from torchshm import _fallback, _stats
+from torchshm import _compat, _fallback, _stats
 from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
@@ -115,6 +117,8 @@ def _after_fork_in_parent():
 
 
 def _after_fork_in_child():
+    global _exit_deferred, _threads_joined
+    _exit_deferred = _threads_joined = False  # the parent's end, not ours
     _stats.after_fork_in_child()
     _holdings.after_fork_in_child()
     _expiry.after_fork_in_child()
@@ -135,17 +139,75 @@ def _after_fork_in_child():
     _mappings.clear()
 
 
+# Note [Exit after the threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torchshm's exit work (_exit: no new message from another thread, Note
+# [Messages at exit] in csrc/send/message.h; then letting go of every
+# holding, the lock file and the session) must not run while a thread that
+# Python will wait for still works: it would hand memory that thread holds
+# back to its sender's pool (whose next message overwrites it), and put
+# that thread to sleep at its next send, which the exit then waits for (a
+# hang). So the work runs once the non-daemon threads have ended. How each
+# way a process ends meets that rule:
+# - A script (its main thread returns, raises, calls sys.exit, or takes
+#   Ctrl-C): the interpreter joins the non-daemon threads
+#   (threading._shutdown), then runs atexit's handlers, among them
+#   multiprocessing's exit function and its finalizers, ours last
+#   (_EXIT_PRIORITY, below a Queue's flush and join at -5).
+# - A multiprocessing child, of any start method (a Process, a Pool or
+#   ProcessPoolExecutor worker, a DataLoader worker): its bootstrap runs the
+#   finalizers as soon as the target returns and only then joins the
+#   threads, which may still send, receive and hold arrays. Our finalizer
+#   finds a non-daemon thread alive and defers: the threading._shutdown that
+#   torchshm wraps runs, once the threads have ended, the finalizers
+#   registered since (a Queue that a late thread started is flushed and
+#   joined, as in a script) and then the exit work.
+# - Python stops waiting for a non-daemon thread (Ctrl-C during the join):
+#   that thread is then treated as a daemon thread is for messages, and the
+#   process keeps every holding until it is dead: the lock file's death
+#   frees its slots (Note [Segment lifetime] in csrc/lifetime/segment.h),
+#   as after SIGKILL. Nothing is taken from under a thread that may still
+#   read it.
+# - Daemon threads are not waited for, by Python or by torchshm: Note
+#   [Messages at exit].
+# - sys.exit in a thread other than the main one ends that thread alone.
+# - os._exit, SIGKILL, a signal's default action: nothing runs; the process
+#   and its threads are gone at once, and its slots die with its lock.
+_EXIT_PRIORITY = -100
+
+
 def _at_exit():
     # Below Queue's feeder-join finalizer (priority -5): pending messages are
     # pickled (and may take tickets) before this process lets go.
-    util.Finalize(None, _exit, exitpriority=-100)
+    util.Finalize(None, _exit, exitpriority=_EXIT_PRIORITY)
 
 
 # How long the exit hook waits for other threads' messages under way.
 _MESSAGES_AT_EXIT_SECONDS = 2.0
+# Note [Exit after the threads]: _exit found a thread to wait for before the
+# threads were joined; whether they have been joined since.
+_exit_deferred = False
+_threads_joined = False
+
+
+def _threads_python_waits_for():
+    """Live non-daemon threads other than this one and the main one."""
+    me, main = threading.current_thread(), threading.main_thread()
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me and t is not main and not t.daemon and t.is_alive()
+    ]
 
 
 def _exit():
+    global _exit_deferred
+    keep_holdings = False
+    if _threads_python_waits_for():
+        if not _threads_joined:
+            _exit_deferred = True  # Note [Exit after the threads]
+            return
+        keep_holdings = True  # Python stopped waiting for them
     # Note [Messages at exit] in csrc/send/message.h: no other thread starts a
     # message from here on, and those under way end before finalization.
     _C.begin_exit()
@@ -164,9 +226,28 @@ def _exit():
     # module's globals) would wait for ever. So it ends here, joined;
     # ensure() starts no other once `exiting` is set.
     _expiry.timer.halt()
+    if keep_holdings:
+        return
     _segments.disown_all()
     _C.remove_own_lock()
     _session.leave()
+
+
+def _join_threads_then_exit(join=_compat.threading_shutdown()):
+    """threading._shutdown, then the exit work it made wait (Note [Exit after
+    the threads])."""
+    global _exit_deferred, _threads_joined
+    try:
+        join()
+    finally:
+        _threads_joined = True
+        if _exit_deferred:
+            _exit_deferred = False
+            # multiprocessing's exit function has run; what was registered
+            # since runs now, in its order, with ours where it would be.
+            _compat.run_finalizers(_EXIT_PRIORITY)
+            _exit()
+            _compat.run_finalizers()
 
 
 class _Token:
@@ -188,3 +269,4 @@ def install():
     # hooks.
     util.register_after_fork(_token, lambda _: _at_exit())
     _at_exit()
+    _compat.set_threading_shutdown(_join_threads_then_exit)
