@@ -33,8 +33,8 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 # lane's installs set an empty constraint file in its place.
 PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 
-.PHONY: deps build wheel test test-debian12 test-debian13 bench soak docs figures notebooks \
-	lint format lock clean
+.PHONY: deps build wheel test test-debian12 test-debian13 bench soak device docs figures \
+	notebooks lint format lock clean
 
 # Installs only the Debian packages that are missing.
 apt_install = @scripts/apt_install.sh $(1)
@@ -99,6 +99,15 @@ SOAK_MINUTES ?= 1
 
 soak: build
 	$(PY) scripts/soak.py --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+
+# On a GPU machine (the device): builds torchshm with that machine's Python
+# and g++-12, runs the CUDA-only checks and the GPU scenario, and writes a
+# table and JSON into OUT (scripts/device_check.py; under 8 minutes).
+OUT ?= device-results
+DEVICE_PYTHON ?= python3
+
+device:
+	$(DEVICE_PYTHON) scripts/device_check.py $(OUT)
 
 # The docs site, docs/_build/html/index.html. Debian's Sphinx cannot import
 # the torchshm built for .venv: scripts/api_dump.py writes the public names'

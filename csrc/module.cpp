@@ -116,6 +116,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("index", &Segment::index)
       .def_property_readonly("fd", &Segment::fd)
       .def_property_readonly("capacity", &Segment::capacity)
+      // The shared mapping's data: what the GPU registration covers
+      // (torchshm/_lifetime/pins.py).
+      .def_property_readonly(
+          "address",
+          [](const Segment& segment) {
+            return reinterpret_cast<uintptr_t>(segment.data());
+          })
+      .def_property_readonly("created_here", &Segment::created_here)
+      .def_property("defers_releases", &Segment::defers_releases,
+                    &Segment::defer_releases)
       .def_property_readonly("generation", &Segment::generation)
       .def_property_readonly("unlinked", &Segment::unlinked)
       .def_property_readonly("pinned", &Segment::pinned)
@@ -153,6 +163,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("born_blocks", &torchshm::born_blocks,
         "Born blocks alive in this process (Note [Born shared]).");
   m.def("prune_in_flight", &torchshm::prune_in_flight);
+  m.def("take_deferred_releases", [] {
+    // (segment, slot, holder) of each release waiting for copies (Note
+    // [Copies before reuse] in lifetime/views.h).
+    std::vector<py::tuple> taken;
+    for (auto& entry : torchshm::take_deferred_releases())
+      taken.push_back(py::make_tuple(entry.segment, entry.slot, entry.holder));
+    return taken;
+  });
+  m.def("forget_deferred_releases", &torchshm::forget_deferred_releases);
   // Note [Small blocks]: the sizes, for the tests and the benchmarks.
   m.attr("SLAB_BYTES") = py::int_(torchshm::Slabs::kSlabBytes);
   m.attr("SMALL_BLOCK_MAX") = py::int_(torchshm::Slabs::kMaxBlock);

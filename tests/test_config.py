@@ -241,6 +241,7 @@ BAD_VALUES = [
     ("TORCHSHM_SESSION", "x" * 65, "1 to 64 letters, digits, _ or -"),
     ("TORCHSHM_KEEPER_TIMEOUT", "soon", "a non-negative number of seconds"),
     ("TORCHSHM_SESSION_LINGER", "-5", "a non-negative number of seconds"),
+    ("TORCHSHM_PIN_BYTES", "all", "a size in bytes"),
 ]
 
 

@@ -150,6 +150,7 @@ def test_cxx_calls_into_python_only_where_the_seam_note_says():
 #             library only: anyone may read them; its daemon is a program of
 #             its own, which nobody imports
 #   base      the seam, compat, config, stats, fallback, memory, version
+#   cuda      _cuda/: the CUDA seam, and its fake for tests
 #   lifetime  _lifetime/: sessions, segments, pools, attach, expiry, fork
 #   wire      the rebuilds every message names (_reduction, _strings)
 #   send      _send/: the reducers, their registration, the writers
@@ -157,7 +158,17 @@ def test_cxx_calls_into_python_only_where_the_seam_note_says():
 #             DataLoader helpers, SharedDict's keys): they never move
 #   tools     _tools/: the report and the doctor
 #   face      the package's public modules and share()
-LAYERS = ["keeper", "base", "lifetime", "wire", "send", "features", "tools", "face"]
+LAYERS = [
+    "keeper",
+    "base",
+    "cuda",
+    "lifetime",
+    "wire",
+    "send",
+    "features",
+    "tools",
+    "face",
+]
 ROOMS = {
     "base": {
         "torchshm._native",
@@ -171,6 +182,7 @@ ROOMS = {
     "wire": {"torchshm._reduction", "torchshm._strings"},
     "features": {
         "torchshm._containers",
+        "torchshm._device",
         "torchshm._handles",
         "torchshm._dataloader",
         "torchshm._keys",

@@ -27,6 +27,7 @@ from torchshm._dataloader import (
     worker_init_fn,
 )
 from torchshm._containers import SharedDict, SharedList
+from torchshm._device import device_loader, to_device
 from torchshm._handles import HandleError, dumps, loads, release
 from torchshm._send.sender import is_shared
 from torchshm._send.tensors import empty
@@ -47,6 +48,7 @@ __all__ = [
     "chain",
     "collate",
     "convert",
+    "device_loader",
     "disabled",
     "dumps",
     "empty",
@@ -64,6 +66,7 @@ __all__ = [
     "SharedDict",
     "SharedList",
     "stats",
+    "to_device",
     "torchdata",
     "trim",
     "unregister",

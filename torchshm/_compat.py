@@ -140,6 +140,20 @@ def set_dataloader_get_iterator(method):
     torch.utils.data.DataLoader._get_iterator = method
 
 
+def dataloader_pin_memory():
+    """The function DataLoader's pin thread calls on each batch (a module
+    global its loop looks up at each call)."""
+    from torch.utils.data._utils import pin_memory
+
+    return pin_memory.pin_memory
+
+
+def set_dataloader_pin_memory(function):
+    from torch.utils.data._utils import pin_memory
+
+    pin_memory.pin_memory = function
+
+
 def connection_send_bytes():
     """The method every multiprocessing write of a message ends in."""
     return connection.Connection._send_bytes

@@ -92,6 +92,7 @@ SETTINGS = {
     "TORCHSHM_SESSION": (parse_session, SESSION),
     "TORCHSHM_KEEPER_TIMEOUT": (parse_seconds, SECONDS),
     "TORCHSHM_SESSION_LINGER": (parse_seconds, SECONDS),
+    "TORCHSHM_PIN_BYTES": (parse_size, SIZE),
 }
 
 
@@ -305,3 +306,11 @@ def session_linger():
     return _env_setting_at_use(
         "TORCHSHM_SESSION_LINGER", _protocol.DEFAULT_LINGER_SECONDS
     )
+
+
+def pin_bytes():
+    """Cap on the shared memory this process keeps pinned for the GPU
+    (TORCHSHM_PIN_BYTES; default a quarter of the memory this process may
+    have, at most 4 GiB; 0 pins nothing: Note [Pinned in place] in
+    _lifetime/pins.py)."""
+    return _env_setting_at_use("TORCHSHM_PIN_BYTES", _default_cap())

@@ -306,6 +306,10 @@ void Segment::unlink() {
   close_fd();
 }
 
+bool Segment::created_here() const {
+  return creator_pid_ != 0 && creator_pid_ == current_pid();
+}
+
 uint8_t* Segment::data() const {
   return static_cast<uint8_t*>(base_) + kHeaderBytes;
 }

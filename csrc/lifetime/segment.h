@@ -316,6 +316,13 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // name:<index>:<creator pid>:<creator fd>: where a receiver finds it.
   std::string locator() const;
 
+  // Whether this process created it (a forked child did not).
+  bool created_here() const;
+  // Whether a view's slot waits for copies before it is released (Note
+  // [Copies before reuse] in views.h).
+  bool defers_releases() const { return defers_releases_.load(); }
+  void defer_releases(bool on) { defers_releases_.store(on); }
+
   int fd() const { return fd_.load(); }
   void close_fd();
   int index() const { return index_.load(); }
@@ -345,6 +352,7 @@ class Segment : public std::enable_shared_from_this<Segment> {
   std::atomic<int> index_{-1};
   std::shared_ptr<SessionTable> table_;  // guarded by std::atomic_load/store
   std::atomic<int64_t> views_{0};
+  std::atomic<bool> defers_releases_{false};
   std::atomic<uint8_t*> idle_private_{nullptr};  // set under mappings_mutex_
   bool idle_written_ = false;  // of idle_private_: the mutex's
   // A private mapping a thread of process walking_pid_ walks for written

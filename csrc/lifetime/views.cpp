@@ -30,6 +30,10 @@ std::atomic<int> quiet_fd{-1};
 std::mutex in_flight_mutex;
 std::vector<std::shared_ptr<Segment>> in_flight;
 
+// Slots whose release waits for copies (Note [Copies before reuse]).
+std::mutex deferred_mutex;
+std::vector<DeferredRelease> deferred;
+
 // Wakes the expiry timer if it sleeps without a deadline (wake_when_quiet).
 void wake_quiet_timer() {
   const int fd = quiet_fd.exchange(-1);
@@ -64,7 +68,7 @@ View::~View() {
   // After a fork torchshm did not prepare, nothing of the segment is here:
   // no slot of this process's, no mapping to give back (fork_guard.h).
   if (segment->lost()) return;
-  disown();
+  if (!defer_release()) disown();
   if (segment->views_.fetch_sub(1) != 1) return;
   if (segment->pooled.load()) {
     last_views_of_pooled.fetch_add(1);
@@ -85,6 +89,15 @@ void View::disown() {
   if (pid.load() != current_pid()) return;
   const int s = slot.exchange(-1);
   if (s >= 0) segment->release_slot(s, holder.load());
+}
+
+bool View::defer_release() {
+  if (!segment->defers_releases() || pid.load() != current_pid()) return false;
+  const int s = slot.exchange(-1);
+  if (s < 0) return true;
+  std::lock_guard<std::mutex> guard(deferred_mutex);
+  deferred.push_back({segment, s, holder.load()});
+  return true;
 }
 
 void View::adopt(int slot_, uint64_t holder_) {
@@ -244,6 +257,22 @@ bool written_privately(const View* view, int64_t lo, int64_t hi) {
   if (view->kind == Segment::Mapping::kReadOnly)
     return view->segment->readonly_written(lo, hi);
   return false;
+}
+
+std::vector<DeferredRelease> take_deferred_releases() {
+  std::lock_guard<std::mutex> guard(deferred_mutex);
+  std::vector<DeferredRelease> taken;
+  taken.swap(deferred);
+  return taken;
+}
+
+void forget_deferred_releases() {
+  // Another thread of the parent may have held the mutex at fork.
+  new (&deferred_mutex) std::mutex();
+  // The parent's segments: the child's copies of them must not release
+  // anything (their slots name the parent), so the entries are dropped
+  // without their destructors' work beyond the reference counts.
+  deferred.clear();
 }
 
 }  // namespace torchshm

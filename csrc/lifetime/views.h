@@ -44,6 +44,9 @@ struct View {
   ~View();
   // Releases the slot now if this process owns it.
   void disown();
+  // Hands the slot to the deferred releases instead, if its segment defers
+  // them (Note [Copies before reuse]); whether it did.
+  bool defer_release();
   // Takes over a slot taken for this process (a forked child's view).
   void adopt(int slot, uint64_t holder);
   // The view that owns this one's slot: itself, or its alias's `keep`'s.
@@ -122,5 +125,25 @@ uint64_t pooled_last_views();
 // left; torchshm/_lifetime/expiry.py calls it while any are kept.
 int64_t prune_in_flight();
 int64_t in_flight_count();
+
+// Note [Copies before reuse]
+// A segment registered for the GPU (torchshm/_lifetime/pins.py) is read by
+// asynchronous copies that this process issues, torch's or torchshm's, and
+// none of them tells torchshm when it is done. So while a segment defers
+// releases, a view's slot is not released when the view dies: it goes to a
+// list that Python takes (take_deferred_releases), records events on every
+// stream a copy may have used, and releases each slot once they completed.
+// Until then the slot holds the segment, and its creator cannot reuse it.
+// Only slots are deferred: the view's mapping may go (the registration keeps
+// its own reference to the segment).
+struct DeferredRelease {
+  std::shared_ptr<Segment> segment;
+  int slot;
+  uint64_t holder;
+};
+// The releases deferred since the last call, oldest first.
+std::vector<DeferredRelease> take_deferred_releases();
+// A forked child: the list is its parent's (their slots name the parent).
+void forget_deferred_releases();
 
 }  // namespace torchshm

@@ -16,6 +16,7 @@ from torchshm._lifetime import fds as _fds
 from torchshm._lifetime import holdings as _holdings
 from torchshm._keeper import paths as _paths
 from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import pins as _pins
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
@@ -33,6 +34,7 @@ def attach(locator, ticket, generation):
     of its own, valid only while the segment still holds the generation the
     message was written in (Note [Segment lifetime] in csrc/lifetime/segment.h)."""
     name, where = parse_locator(locator)
+    _pins.poll()  # Note [Pinned in place]
     _join_to_load()
     me = _C.process_id()
     with _holdings.lock:

@@ -12,6 +12,7 @@ from torchshm import _compat, _fallback, _stats
 from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import pins as _pins
 from torchshm._lifetime import segments as _segments
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
@@ -137,6 +138,7 @@ def _after_fork_in_child():
         _for_child.clear()
     _holdings.pool.forget()
     _mappings.clear()
+    _pins.after_fork_in_child()
 
 
 # Note [Exit after the threads]
@@ -228,6 +230,8 @@ def _exit():
     _expiry.timer.halt()
     if keep_holdings:
         return
+    # Before CUDA's own teardown, after every copy (Note [Pinned in place]).
+    _pins.release_all()
     _segments.disown_all()
     _C.remove_own_lock()
     _session.leave()

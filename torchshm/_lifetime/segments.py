@@ -16,6 +16,7 @@ from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import fds as _fds
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
+from torchshm._lifetime import pins as _pins
 from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
@@ -130,6 +131,7 @@ def trim() -> int:
     >>> torchshm.trim() > 0
     True
     """
+    _pins.poll()  # slots whose copies are done
     with _holdings.lock:
         _C.release_empty_slab(0.0)  # back to the pool, released below
         freed = _holdings.pool.release_idle()

@@ -17,6 +17,8 @@ import torch
 
 import torchshm
 from torchshm import _config, _memory
+from torchshm._cuda import runtime as _runtime
+from torchshm._lifetime import pins as _pins
 from torchshm._send import registry as _registry
 
 ROUND_TRIP_BYTES = 64 << 20
@@ -57,6 +59,12 @@ def _settings():
             "value": _config.mapping_cache_bytes(),
             "unit": "bytes",
             "source": _source("TORCHSHM_MAPPING_CACHE_BYTES", _CAP_DEFAULT),
+        },
+        {
+            "name": "GPU pin cap",
+            "value": _config.pin_bytes(),
+            "unit": "bytes",
+            "source": _source("TORCHSHM_PIN_BYTES", _CAP_DEFAULT),
         },
         {
             "name": "copy threads",
@@ -154,6 +162,10 @@ def report(check=True):
         "registered": _registry.is_registered(),
         "registration_source": _source("TORCHSHM_DISABLE", "import torchshm"),
         "sharing_strategy": torch.multiprocessing.get_sharing_strategy(),
+        "gpu": {
+            "cuda_in_use": _runtime.active().in_use(),
+            "pinned_bytes": _pins.pinned_bytes(),
+        },
         "cpus": os.cpu_count(),
     }
     if check:
@@ -203,6 +215,11 @@ def format_report(info):
         f"reducers {state} with ForkingPickler [{info['registration_source']}]"
     )
     lines.append(f"torch sharing strategy {info['sharing_strategy']}")
+    gpu = info["gpu"]
+    lines.append(
+        f"GPU      {_size(gpu['pinned_bytes'])} pinned in place by this process"
+        + ("" if gpu["cuda_in_use"] else " (no CUDA context here: nothing is pinned)")
+    )
     rt = info.get("round_trip")
     if rt is not None:
         if "error" in rt:
