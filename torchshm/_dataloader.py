@@ -53,10 +53,13 @@ _ALIGN = 64
 BATCH_DIM = "batch"
 
 
-def worker_init_fn(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn`` that registers torchshm in each worker.
+def worker_init_fn(worker_id: Optional[int] = None) -> None:
+    """DataLoader ``worker_init_fn`` (or pool initializer) that registers
+    torchshm in each worker.
 
-    ``DataLoader(..., worker_init_fn=torchshm.worker_init_fn)``. A worker
+    ``DataLoader(..., worker_init_fn=torchshm.worker_init_fn)``, and as well
+    ``multiprocessing.Pool(initializer=torchshm.worker_init_fn)`` or
+    ``ProcessPoolExecutor(initializer=torchshm.worker_init_fn)``. A worker
     sends with its own process's reducers: under fork it inherits them, but
     under spawn and forkserver it has them only if something it unpickles
     imports torchshm. The DataLoader pickles this hook into every worker,
@@ -69,8 +72,9 @@ def worker_init_fn(worker_id: int) -> None:
 
     Parameters
     ----------
-    worker_id : int
-        The worker's number, as the DataLoader passes it (unused).
+    worker_id : int, optional
+        The worker's number, as the DataLoader passes it (unused); a pool
+        calls an initializer without it.
 
     Returns
     -------

@@ -22,6 +22,13 @@ from multiprocessing.reduction import ForkingPickler
 
 from torchshm import _fallback
 
+# What the warning tells a user to give the workers, by what starts them
+# (tests/test_remedies.py runs each, under spawn and forkserver).
+REMEDIES = {
+    "DataLoader": "worker_init_fn=torchshm.worker_init_fn",
+    "multiprocessing.Pool": "initializer=torchshm.worker_init_fn",
+    "ProcessPoolExecutor": "initializer=torchshm.worker_init_fn",
+}
 # Below this a message is not looked at: what it could have saved is small.
 NOTICE_BYTES = 1 << 20
 _OURS = re.compile(rb"torchshm")
@@ -41,15 +48,16 @@ def look(data):
     by value and nothing of torchshm's."""
     if _NUMPY_BY_VALUE.search(data) is None or _OURS.search(data) is not None:
         return
+    remedies = "; ".join(f"{where}({how})" for where, how in REMEDIES.items())
     _fallback.warn_once(
         ("arrivals", "by value"),
         f"torchshm: a {len(data) / 2**20:.0f} MiB message arrived with NumPy"
         " arrays pickled by value: the process that sent it did not send"
         " them through torchshm. Under spawn or forkserver a worker has"
         " torchshm only if it imports it: import torchshm at the top of the"
-        " main module (not only inside main()), or give DataLoader"
-        " worker_init_fn=torchshm.worker_init_fn (torchshm.chain(fn) to keep"
-        " yours); or the sender fell back (its own warning says why)",
+        f" main module (not only inside main()), or give its workers the hook:"
+        f" {remedies} (torchshm.chain(fn) in its place keeps a hook of yours);"
+        " or the sender fell back (its own warning says why)",
         stacklevel=3,
     )
 
