@@ -65,13 +65,28 @@ $(BUILT): $(SOURCES) $(STACK)
 
 build: deps $(BUILT)
 
-# A wheel of torchshm for this environment's torch, to install where there is
+# A wheel of torchshm for one environment's torch, to install where there is
 # no compiler: dist/torchshm-<version>+torch<X.Y>-<python>-<platform>.whl. The
-# label names the torch it runs beside (setup.py, version()); one wheel per
-# torch minor version and Python (docs/guide/install.md).
+# label names the torch it runs beside and its metadata requires that torch
+# minor (setup.py, version() and requirements()): pip refuses it elsewhere.
+# One wheel per torch minor version and Python (docs/guide/install.md).
+# `make wheel PYTHON=/path/to/python`: for that interpreter's torch and numpy
+# (installed there already; nothing is installed into it); otherwise for
+# .venv's, the pip stack.
+ifeq ($(origin PYTHON),command line)
+WHEEL_PY := $(PYTHON)
+wheel: deps
+else
+WHEEL_PY := $(PY)
 wheel: build
-	TORCHSHM_TORCH_LABEL=1 MAX_JOBS=$$(nproc) $(PY) -m pip wheel -q --no-build-isolation \
+endif
+	@$(WHEEL_PY) -c "import torch, numpy" 2>/dev/null || { echo "make wheel:" \
+		"$(WHEEL_PY) has no torch or numpy: install them there first" >&2; exit 1; }
+	TORCHSHM_TORCH_LABEL=1 MAX_JOBS=$$(nproc) $(WHEEL_PY) -m pip wheel -q --no-build-isolation \
 		--no-deps --no-index --wheel-dir dist . 2>&1 | $(QUIET_PIP)
+	@$(WHEEL_PY) -c "import sys, torch; v = torch.__version__; print('make wheel: for torch', \
+		v, 'and Python', sys.version.split()[0], '(' + sys.executable + '): it installs beside', \
+		'torch==' + '.'.join(v.split('.')[:2]) + '.* only')"
 	@ls dist/torchshm-*+torch*.whl
 
 # Two pytest-xdist workers, each its own torchshm session: most tests wait on

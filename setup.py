@@ -5,16 +5,30 @@ import json
 import os
 import re
 
+import sys
+
 try:
+    import torch  # first: the one a bare environment lacks, named below
     import numpy
-    import torch
-except ImportError as exc:  # an isolated build: pyproject.toml lists neither
+except ImportError as exc:
+    # pip's isolated build environment (pyproject.toml lists neither), or an
+    # environment that has no torch at all: each needs its own remedy.
+    # pip's build environment is a folder of its own on sys.path, without
+    # the site-packages (as python -S).
+    if sys.flags.no_site or any("pip-build-env" in entry for entry in sys.path):
+        raise SystemExit(
+            "torchshm builds against the torch and numpy of the environment it"
+            f" is installed into, and this build cannot import them ({exc}):"
+            " pip's isolated build environment holds neither, even where they"
+            " are installed. In torchshm's source folder: pip install"
+            " --no-build-isolation --no-deps ."
+        ) from None
     raise SystemExit(
-        "torchshm builds against the torch and numpy of the environment it is"
-        f" installed into, and this build cannot import them ({exc}): pip's"
-        " isolated build environment holds neither, even where they are"
-        " installed. Install them first, then, in torchshm's source folder:"
-        " pip install --no-build-isolation --no-deps ."
+        f"torchshm builds against the torch and numpy of the environment it is"
+        f" installed into, and this environment ({sys.executable}) has no"
+        f" {exc.name or 'torch'}: install torch and numpy there first (pip"
+        " install torch numpy), then, in torchshm's source folder: pip install"
+        " --no-build-isolation --no-deps ."
     ) from None
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -104,12 +118,28 @@ def version():
     return f"{base}+torch{major}.{minor}"
 
 
+def requirements():
+    """What the package needs at run time. A wheel made for others (the
+    torch label) needs the torch minor it was built against, so that pip
+    refuses it beside another torch (the extension would not import), and,
+    built against NumPy 1, NumPy 1 (NumPy 2's ABI runs on 1.x, not the
+    reverse: torchshm/_compat.py, check_native)."""
+    if os.environ.get("TORCHSHM_TORCH_LABEL", "0") in ("", "0"):
+        # 1.13.0a0: Debian builds torch 1.13.1 with that version string.
+        return ["torch>=1.13.0a0", "numpy>=1.24"]
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    numpy_major = int(numpy.__version__.split(".")[0])
+    numpy_range = "numpy>=1.24,<2" if numpy_major < 2 else "numpy>=1.24"
+    return [f"torch=={major}.{minor}.*", numpy_range]
+
+
 # Recorded so that an import against another torch names both versions.
 with open(os.path.join(HERE, "torchshm", "_build_info.json"), "w") as f:
     json.dump({"torch": torch.__version__, "numpy": numpy.__version__}, f)
 
 setup(
     version=version(),
+    install_requires=requirements(),
     ext_modules=[
         CppExtension(
             "torchshm._C",

@@ -71,6 +71,26 @@ def test_the_example_runs_and_prints_what_its_page_says(page, tmp_path):
     ), f"{page} quotes a line the example does not print"
 
 
+def test_the_getting_started_counts_print_what_the_page_shows(tmp_path):
+    # Its "See what it did" example, and the ```text block after it.
+    text = (ROOT / "docs/guide/getting-started.md").read_text()
+    section = text[text.index("## See what it did") :]
+    code, shown = re.search(
+        r"```python\n(.*?)```.*?```text\n(.*?)```", section, re.S
+    ).groups()
+    (tmp_path / "example.py").write_text(code)
+    run = subprocess.run(
+        [sys.executable, "example.py"],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHSHM_")},
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == shown
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     missing = [

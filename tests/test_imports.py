@@ -177,6 +177,7 @@ ROOMS = {
         "torchshm._stats",
         "torchshm._fallback",
         "torchshm._memory",
+        "torchshm._unloaded",
         "torchshm._version",
     },
     "wire": {"torchshm._reduction", "torchshm._strings"},

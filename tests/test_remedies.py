@@ -82,3 +82,29 @@ def test_a_dataloader_gets_the_hook_without_being_given_it(tmp_path):
     # DataLoader's own remedy is for a loader torchshm's hook cannot reach.
     got = run_script(tmp_path, SCRIPT, "DataLoader", "spawn", "")
     assert got == {"shared": [True, True], "warned": []}
+
+
+def _send_objects(conn):
+    import numpy as np
+
+    records = np.zeros(1 << 16, dtype=[("x", "f8", (3,)), ("tag", "O")])
+    records["tag"] = "a tag"
+    conn.send(records)  # over 1 MiB: the receiver looks at it
+
+
+def test_arrays_with_object_fields_are_by_value_by_design_and_say_so(ctx):
+    # A sender with torchshm pickles them by value (their elements are
+    # Python objects): no warning that it lacked torchshm.
+    import warnings
+
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=_send_objects, args=(theirs,))
+    p.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mine.poll(60)
+        records = mine.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    assert records.shape == (1 << 16,) and records["tag"][-1] == "a tag"
+    assert not [w for w in caught if "by value" in str(w.message)]

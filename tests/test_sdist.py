@@ -13,6 +13,7 @@ test checks what it made."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -81,55 +83,66 @@ def build(work):
         for p in src.rglob("*")
         if p.is_file() and p.suffix in SOURCE_SUFFIXES
     )
-    dist = work / "dist"
-    env = build_env()
-    if importlib.util.find_spec("build") is not None:
-        # -x: Debian's torch pins dependencies (sympy) Debian ships other
-        # versions of; the build needs only torch and numpy importable.
-        cmd = ["-m", "build", "--sdist", "--no-isolation", "-x", "--outdir", str(dist)]
-    else:  # python3-build missing: setuptools' own command
-        cmd = ["setup.py", "-q", "sdist", "--dist-dir", str(dist)]
-    run([sys.executable, *cmd], cwd=src, env=env, timeout=BUILD_TIMEOUT)
-    (sdist,) = dist.glob("torchshm-*.tar.gz")
-    with tarfile.open(sdist) as tar:
-        top = f"torchshm-{torchshm.__version__}/"
-        members = sorted(m.name[len(top) :] for m in tar.getmembers() if m.isfile())
-
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",  # as `make wheel` builds one, with the torch label
-            "-q",
-            "--no-build-isolation",
-            "--no-deps",  # torch and numpy: this environment's, whatever torch pins
-            "--no-index",
-            "--no-cache-dir",
-            "--wheel-dir",
-            str(dist),
-            str(sdist),
-        ],
-        cwd=work,
-        env=dict(env, TORCHSHM_TORCH_LABEL="1"),
-        timeout=BUILD_TIMEOUT,
-    )
-    (wheel,) = dist.glob("torchshm-*.whl")
     venv = work / "venv"
     # From inside a venv, `-m venv` still builds on the base interpreter.
     run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
     python = venv / "bin" / "python"
     _sees_this_environment(python)
-    run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
-        + ["--no-cache-dir", str(wheel)],
-        cwd=work,
-        env=env,
-        timeout=BUILD_TIMEOUT,
-    )
+    has_build = importlib.util.find_spec("build") is not None
+    if has_build and sys.prefix != sys.base_prefix:
+        # The pip lane (a venv): the install guide's sdist route, as
+        # written, in the fresh venv.
+        dist = src / "dist"
+        env = venv_env(venv)
+        for line in guide_sdist_route():
+            run(["bash", "-c", line], cwd=src, env=env, timeout=BUILD_TIMEOUT)
+        (sdist,) = dist.glob("torchshm-*.tar.gz")
+        (wheel,) = dist.glob("torchshm-*.whl")
+    else:  # a Debian lane: its own Python's tools
+        dist, env = work / "dist", build_env()
+        if has_build:
+            # -x: Debian's torch pins dependencies (sympy) Debian ships other
+            # versions of; the build needs only torch and numpy importable.
+            cmd = ["-m", "build", "--sdist", "--no-isolation", "-x"]
+            cmd += ["--outdir", str(dist)]
+        else:  # python3-build missing: setuptools' own command
+            cmd = ["setup.py", "-q", "sdist", "--dist-dir", str(dist)]
+        run([sys.executable, *cmd], cwd=src, env=env, timeout=BUILD_TIMEOUT)
+        (sdist,) = dist.glob("torchshm-*.tar.gz")
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",  # as `make wheel` builds one, with the torch label
+                "-q",
+                "--no-build-isolation",
+                "--no-deps",  # this environment's torch and numpy
+                "--no-index",
+                "--no-cache-dir",
+                "--wheel-dir",
+                str(dist),
+                str(sdist),
+            ],
+            cwd=work,
+            env=dict(env, TORCHSHM_TORCH_LABEL="1"),
+            timeout=BUILD_TIMEOUT,
+        )
+        (wheel,) = dist.glob("torchshm-*.whl")
+        run(
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+            + ["--no-cache-dir", str(wheel)],
+            cwd=work,
+            env=env,
+            timeout=BUILD_TIMEOUT,
+        )
+    with tarfile.open(sdist) as tar:
+        top = f"torchshm-{torchshm.__version__}/"
+        members = sorted(m.name[len(top) :] for m in tar.getmembers() if m.isfile())
     return {
         "sdist": sdist.name,
         "wheel": wheel.name,
+        "wheel_path": str(wheel),
         "expected": expected,
         "members": members,
         "python": str(python),
@@ -147,6 +160,26 @@ def _sees_this_environment(python):
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     inner = Path(run([str(python), "-c", purelib]).strip())
     (inner / "_outer_environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
+
+
+def guide_sdist_route():
+    """The shell lines of the install guide's sdist route (its block that
+    runs `python -m build`), comments dropped."""
+    text = (REPO / "docs" / "guide" / "install.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    (block,) = [b for b in blocks if "python -m build" in b]
+    return [line.split(" #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def venv_env(venv):
+    """The environment of a shell in which `venv` is active, without this
+    machine's pip configuration (its constraint file caps torch below the
+    one the venv sees)."""
+    env = build_env()
+    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
+    env["VIRTUAL_ENV"] = str(venv)
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_CONSTRAINT="", PIP_NO_INPUT="1")
+    return env
 
 
 def torch_minor():
@@ -281,6 +314,51 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     )
     assert report["torchshm_path"] == os.path.dirname(path)
     assert report["round_trip"]["ok"], report["round_trip"]
+
+    # The wheel requires the torch minor it was built for: pip refuses it
+    # beside another (its extension would not import there), and takes it
+    # beside any patch release of that minor.
+    wheel = Path(built["wheel_path"])
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in archive.read(name).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+    assert f"torch=={torch_minor()}.*" in requires, requires
+    major, minor = (int(n) for n in torch_minor().split("."))
+    other = f"{major}.{minor + 1}.0"
+    refused = _dry_install(wheel, other, tmp_path)
+    assert refused.returncode != 0
+    assert f"torch=={torch_minor()}.*" in refused.stdout + refused.stderr
+    assert _dry_install(wheel, f"{torch_minor()}.9", tmp_path).returncode == 0
+
+
+def _dry_install(wheel, torch_version, tmp_path):
+    """`pip install --dry-run` of `wheel` into a fresh venv whose only torch
+    is a distribution's metadata of version `torch_version` (and numpy's)."""
+    venv = tmp_path / f"torch-{torch_version}"
+    run([sys.executable, "-m", "venv", str(venv)], timeout=300)
+    python = str(venv / "bin" / "python")
+    purelib = run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
+    )
+    for name, version in (("torch", torch_version), ("numpy", "2.0.0")):
+        info = Path(purelib.strip()) / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+    # Not the machine's pip configuration (its constraints cap torch).
+    env = dict(build_env(), PIP_CONFIG_FILE=os.devnull, PIP_CONSTRAINT="")
+    return subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 if __name__ == "__main__":  # the background build: python test_sdist.py WORK

@@ -9,6 +9,7 @@ version.
 import json
 import os
 import re
+import sys
 import threading
 from multiprocessing import connection, forkserver, queues, util
 from multiprocessing.reduction import ForkingPickler
@@ -46,13 +47,37 @@ REBUILD = (
 )
 
 
+def wheel_remedy():
+    """The other remedy: the wheel made for this torch."""
+    minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (
+        f"install the torchshm wheel built for torch {minor}"
+        f" (torchshm-*+torch{minor}-*.whl; in a checkout, make wheel"
+        f" PYTHON={sys.executable} builds it)"
+    )
+
+
+def launched_as_report():
+    """Whether this process is `python -m torchshm ...` (sys.orig_argv: what
+    the interpreter was started with)."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and b == "torchshm" for a, b in zip(argv, argv[1:]))
+
+
 def _mismatch_message(built, cause=""):
     return (
         f"torchshm's native extension was built for torch {built.get('torch', '?')}"
         f" and numpy {built.get('numpy', '?')}, but this process has torch"
         f" {torch.__version__} and numpy {np.__version__}{cause}. Rebuild it in"
-        f" this environment: {REBUILD}"
+        f" this environment: {REBUILD}; or {wheel_remedy()}. `python -m"
+        " torchshm` says what it finds"
     )
+
+
+def build_info():
+    """What setup.py recorded: the torch and numpy the extension was built
+    for ({} if it did not)."""
+    return _build_info()
 
 
 def check_native(native):

@@ -11,6 +11,7 @@ every array cost 1.09-1.69x pipe + pickle at 128 KiB and 0.75-0.98x at
 many arrays are still packed (see PACK_MIN in _send/sender.py).
 """
 
+import difflib
 import functools
 import math
 import os
@@ -96,6 +97,70 @@ SETTINGS = {
 }
 
 
+# TORCHSHM_* variables of the project's own tools (the build, the suite, the
+# benchmarks, the lanes): not settings, never taken for misspelled ones.
+TOOL_VARIABLES = {
+    "TORCHSHM_API_JSON",
+    "TORCHSHM_BENCH_PEERS",
+    "TORCHSHM_BENCH_QUICK",
+    "TORCHSHM_BENCH_RECORDS",
+    "TORCHSHM_LANE_CACHE",
+    "TORCHSHM_LANE_CHROOT",
+    "TORCHSHM_LANE_COMMAND",
+    "TORCHSHM_SDIST_BUILD",
+    "TORCHSHM_SUITE_IMPORT",
+    "TORCHSHM_SUITE_MIN_BYTES",
+    "TORCHSHM_TEST_WORKER",
+    "TORCHSHM_TORCH_LABEL",
+    "TORCHSHM_VENDOR",
+}
+# What `python -m torchshm` calls each setting (_tools/report.py), which a
+# user may take for its variable's name.
+REPORT_NAMES = {
+    "threshold": "TORCHSHM_THRESHOLD",
+    "pool cap": "TORCHSHM_POOL_BYTES",
+    "pool idle time": "TORCHSHM_POOL_IDLE_SECONDS",
+    "mapping cache cap": "TORCHSHM_MAPPING_CACHE_BYTES",
+    "GPU pin cap": "TORCHSHM_PIN_BYTES",
+}
+_unknown_warned = set()
+
+
+def closest_setting(name):
+    """The setting a misspelled `name` most likely meant, or None."""
+    words = name[len("TORCHSHM_") :].lower().replace("_", " ")
+    for shown, variable in REPORT_NAMES.items():
+        if words == shown.lower():
+            return variable
+    suffixes = {n[len("TORCHSHM_") :]: n for n in SETTINGS}
+    found = difflib.get_close_matches(name[len("TORCHSHM_") :], suffixes, n=1)
+    return suffixes[found[0]] if found else None
+
+
+def warn_unknown_variables():
+    """One RuntimeWarning per TORCHSHM_* variable that is no setting (a
+    misspelling would otherwise be ignored without a word), naming the
+    closest one."""
+    for name in sorted(os.environ):
+        if (
+            not name.startswith("TORCHSHM_")
+            or name in SETTINGS
+            or name in TOOL_VARIABLES
+            or name in _unknown_warned
+        ):
+            continue
+        _unknown_warned.add(name)
+        meant = closest_setting(name)
+        hint = f"; did you mean {meant}?" if meant else ""
+        warnings.warn(
+            f"torchshm: environment variable {name} is no torchshm setting and"
+            f" is ignored{hint} (the settings: docs/guide/settings.md, or"
+            " `python -m torchshm`)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def env_setting(name, default=None):
     """The parsed value of environment variable `name` (one of SETTINGS), or
     `default` when it is unset or empty. A bad value raises ValueError naming
@@ -155,6 +220,7 @@ def registration_disabled():
 
 
 check_environment()  # at import: see Note [Environment variables]
+warn_unknown_variables()
 _threshold = env_setting("TORCHSHM_THRESHOLD", DEFAULT_THRESHOLD)
 # Called with the new value whenever it changes: the native sender keeps a
 # copy for its fast path (_native.set_threshold), so this stays the one place

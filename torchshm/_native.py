@@ -32,13 +32,30 @@ module's import wires anything and the import order decides nothing. The
 threshold is the one number that changes at run time (set_threshold).
 """
 
+import sys
+
 from torchshm import _compat
 
+
+def _load():
+    try:
+        import torchshm._C as native
+    except ImportError as exc:
+        raise _compat.native_import_error(exc) from exc
+    _compat.check_native(native)
+    return native
+
+
 try:
-    import torchshm._C as _C
+    _C = _load()
 except ImportError as exc:
-    raise _compat.native_import_error(exc) from exc
-_compat.check_native(_C)
+    # `python -m torchshm` is how one finds out why: it answers without the
+    # extension rather than dying with the import (torchshm/_unloaded.py).
+    if not _compat.launched_as_report():
+        raise
+    from torchshm import _unloaded
+
+    sys.exit(_unloaded.main(exc))
 
 
 def configure(*, policy, hooks, writers, max_depth, pool):

@@ -53,6 +53,17 @@ def rebuild_storage_block(owner, offset, nbytes):
     return untyped_storage(_C.block_storage(owner, offset, nbytes))
 
 
+def rebuild_by_value(reconstruct, args, state):
+    """Rebuilds an array torchshm pickles by value by design (an object
+    dtype, a structured one with an object field: its elements are Python
+    objects): numpy's own reduce, under a name of torchshm's, so that its
+    receiver does not take it for a sender without torchshm (Note [Arrays
+    that arrive by value] in _send/arrivals.py)."""
+    array = reconstruct(*args)
+    array.__setstate__(state)
+    return array
+
+
 def rebuild_empty(*view):
     """Rebuilds a zero-size array (numpy's own pickle drops its byte order)."""
     return rebuild_ndarray(torch.empty(0, dtype=torch.int8), *view)

@@ -14,7 +14,9 @@ message that size costs milliseconds to pickle and send; the look costs a
 scan of its bytes at memory speed (regular expressions search buffers
 without a copy), and smaller messages are not looked at. A sender that fell
 back to pickling (out of memory) warned already; its arrays look the same
-here, and the warning says so.
+here, and the warning says so. Arrays that a sender with torchshm pickles
+by value by design (object elements) carry a torchshm name
+(_reduction.rebuild_by_value): they are not taken for its absence.
 """
 
 import re

@@ -102,6 +102,7 @@ def register(tensors: Optional[bool] = None) -> None:
     """
     global _previous
     _config.check_environment()
+    _config.warn_unknown_variables()
     if tensors is None:
         _tensors.read_switch()
     else:

@@ -23,7 +23,11 @@ from torchshm import _compat, _config, _fallback, _stats, _strings
 from torchshm._lifetime import segments as _segments
 from torchshm._compat import untyped_storage
 from torchshm._native import _C
-from torchshm._reduction import rebuild_empty, rebuild_ndarray_from_reduced_storage
+from torchshm._reduction import (
+    rebuild_by_value,
+    rebuild_empty,
+    rebuild_ndarray_from_reduced_storage,
+)
 
 # Subclasses torchshm rebuilds itself; every other subclass pickles as it would.
 SUBCLASSES = (np.memmap, np.recarray)
@@ -63,7 +67,7 @@ def reduce_other(array):
             if packed is None:
                 _stats.fallback("object dtype")
                 _declined.count = object_arrays_declined() + 1
-                return array.__reduce__()
+                return rebuild_by_value, array.__reduce__()
             return packed
         if isinstance(array, np.ndarray) and array.size == 0:
             _stats.add("arrays_inline")

@@ -7,6 +7,7 @@ torchshm sessions of this user with what each holds, and what a container
 needs. ls: this user's segments and their holders, one row each.
 """
 
+import collections
 import json
 import os
 import stat
@@ -161,12 +162,49 @@ def format_diagnosis(d):
 
 
 def segments():
-    """One row per segment of this user: session, index, uid, sizes, holders."""
+    """One row per segment of this user: session, index, uid, sizes, holders
+    (each as its process: pid and command)."""
     rows = []
     for r in reports():
         for s in r["segments"]:
-            rows.append(dict(s, session=r["session"]))
+            row = dict(s, session=r["session"])
+            row["creator_process"] = holder_process(s["creator"])
+            row["holder_processes"] = [holder_process(h) for h in s["holders"]]
+            rows.append(row)
     return rows
+
+
+def holder_process(holder):
+    """{"pid", "command"} of the process a holder id (16 hex digits) names,
+    from its lock file ("<pid> <session>") and /proc; pid None once it is
+    gone."""
+    pid = None
+    try:
+        fd = _paths.open_own_file(_paths.process_lock_path(int(holder, 16)))
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            words = os.read(fd, 256).split()
+            pid = int(words[0]) if words and words[0].isdigit() else None
+        finally:
+            os.close(fd)
+    command = None
+    if pid is not None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                raw = f.read().replace(b"\0", b" ").decode(errors="replace")
+            command = " ".join(raw.split())
+        except OSError:
+            command = None  # another PID namespace, or gone meanwhile
+    return {"holder": holder, "pid": pid, "command": command}
+
+
+def _process(p):
+    if p["pid"] is None:
+        return f"{p['holder']} (gone)"
+    command = (p["command"] or "?")[:48]
+    return f"pid {p['pid']} ({command})"
 
 
 def format_segments(rows):
@@ -175,14 +213,19 @@ def format_segments(rows):
     size = _memory._size
     header = (
         f"{'session':<13}{'index':>6} {'uid':<17}{'capacity':>11}{'in memory':>11}"
-        f" {'creator':<17}{'holders':>8}{'tickets':>8} pinned"
+        f"{'tickets':>8} pinned  creator, holders"
     )
     lines = [header]
     for r in rows:
+        counts = collections.Counter(_process(p) for p in r["holder_processes"])
+        holders = "; ".join(
+            who if n == 1 else f"{who} x{n}" for who, n in counts.items()
+        )
+        pinned = "yes" if r["pinned"] else "no"
         lines.append(
             f"{r['session']:<13}{r['index']:>6} {r['uid']:<17}{size(r['capacity']):>11}"
-            f"{size(r['bytes']):>11} {r['creator']:<17}{len(r['holders']):>8}"
-            f"{r['tickets']:>8} {'yes' if r['pinned'] else 'no'}"
+            f"{size(r['bytes']):>11}{r['tickets']:>8} {pinned:<6}"
+            f" {_process(r['creator_process'])}, held by: {holders or 'none'}"
         )
     return "\n".join(lines)
 

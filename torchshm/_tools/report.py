@@ -34,8 +34,9 @@ def _source(env, default="default"):
 
 
 def _settings():
-    """(name, value, unit, where it came from) for each tunable."""
-    return [
+    """(name, its variable, value, unit, where it came from) for each
+    tunable."""
+    rows = [
         {
             "name": "threshold",
             "value": torchshm.get_threshold(),
@@ -73,6 +74,9 @@ def _settings():
             "source": "default (CPUs, at most 4)",
         },
     ]
+    for row in rows:
+        row["variable"] = _config.REPORT_NAMES.get(row["name"])
+    return rows
 
 
 def _dev_shm():
@@ -209,7 +213,8 @@ def format_report(info):
     )
     lines.append("settings:")
     for s in info["settings"]:
-        lines.append(f"  {s['name']:<18} {_value(s)}  [{s['source']}]")
+        variable = s.get("variable") or "-"
+        lines.append(f"  {s['name']:<18} {variable:<29} {_value(s)}  [{s['source']}]")
     state = "registered" if info["registered"] else "NOT registered"
     lines.append(
         f"reducers {state} with ForkingPickler [{info['registration_source']}]"
