@@ -1,8 +1,9 @@
 """5. Many small arrays in one message.
 
-Below the threshold torchshm pickles inline, so it should match pipe +
-pickle; `torchshm_always` and one torch tensor per array show what a segment
-(or a storage and an fd) per array costs.
+Below the threshold torchshm pickles an array inline until the message has
+carried a threshold's worth of arrays of at least PACK_MIN (1 KiB), then
+packs the rest into one shared chunk; `torchshm_always` (threshold 0) and one
+torch tensor per array show what sharing every array costs.
 """
 
 import numpy as np
@@ -20,7 +21,7 @@ def make_arrays(count, nbytes):
 
 def run(quick, bar):
     count, sends = (200, 4) if quick else (1000, 8)
-    cases = [(count, 4 << 10), (count, 64 << 10)]
+    cases = [(count, 1 << 10), (count, 4 << 10), (count, 64 << 10)]
     methods = (
         METHODS
         + ("torchshm_always",)

@@ -41,8 +41,14 @@ SPARSE_RATIO = 2
 PACK_LIMIT = 16 << 20
 # Below the threshold an array is pickled inline, unless its message already
 # carried a threshold's worth of arrays of at least PACK_MIN bytes: from then
-# on, packing them costs less than pickling (1000 x 64 KiB: ~6x less).
-PACK_MIN = 16 << 10
+# on, packing them costs less than pickling. One message of 1000 arrays,
+# child to parent (`python -m benchmarks --only many_small`, this 2-core
+# machine, 2026-11-29, medians): at 1 KiB each 10.1 ms, 4 KiB 10.7 ms, 64 KiB
+# 21.6 ms, against pipe + pickle's 14.6, 34.0 and 261 ms; with 16 KiB here
+# before, 1-16 KiB arrays were never packed (4 KiB: 21-24 ms, a /tmp harness
+# over benchmarks.transports, same day). Smaller arrays never count: at 512 B
+# inline was as fast as packing (6.4-7.8 against 8.4-12.5 ms).
+PACK_MIN = 1 << 10
 CHUNK_START = 1 << 20
 CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
