@@ -16,8 +16,8 @@ def born_sender(inbox, outbox, n):
     a = np.arange(n, dtype=np.float64)
     outbox.put(a)
     assert inbox.get(timeout=TIMEOUT) == "write"
-    a[:10] = -1.0  # born memory is shared: the parent sees this
-    outbox.put("written")
+    a[:10] = -1.0  # after the send: the parent must not see this
+    outbox.put(("written", bool((a[:10] == -1).all())))
     assert inbox.get(timeout=TIMEOUT) == "stats"
     after = torchshm.stats()
     outbox.put({k: after[k] - before[k] for k in after if k != "fallbacks"})

@@ -53,7 +53,10 @@ def test_large_allocations_are_born_shared_and_small_ones_are_not():
     assert (large == 1).all() and (zeros == 0).all()
 
 
-def test_sending_a_born_array_copies_nothing():
+def test_sending_a_born_array_copies_nothing_and_sends_it_as_it_was():
+    # Note [A born array is sent as it was] in csrc/lifetime/segment.h: the
+    # segment is sent by reference, and the sender's mapping of it becomes
+    # copy-on-write, so that its later writes reach no receiver.
     with torchshm.allocating(min_bytes=MIN_BYTES):
         a = np.arange(N, dtype=np.float64)
     view = a[10:50_000:3]
@@ -62,8 +65,28 @@ def test_sending_a_born_array_copies_nothing():
     delta = stats_delta(before)
     assert delta["bytes_copied"] == 0 and delta["arrays_shared"] == 0
     assert delta["arrays_resent"] == 2
-    assert np.shares_memory(got, a) and np.shares_memory(got_view, got)
+    assert np.shares_memory(got_view, got) and torchshm.is_shared(got)
     assert np.array_equal(got_view, a[10:50_000:3])
+    a[:20] = -1.0  # the sender writes after the send
+    assert (got[:20] == np.arange(20)).all() and (a[:20] == -1).all()
+    # Sent again: the written pages make it a new snapshot; unwritten, a
+    # reference again.
+    before = torchshm.stats()
+    again = roundtrip(a)
+    assert (again[:20] == -1).all() and stats_delta(before)["arrays_shared"] == 1
+    del got, got_view, again
+
+
+def test_a_born_array_sent_twice_unwritten_goes_by_reference_both_times():
+    with torchshm.allocating(min_bytes=MIN_BYTES):
+        a = np.arange(N, dtype=np.float64)
+    first = roundtrip(a)
+    before = torchshm.stats()
+    second = roundtrip(a)
+    delta = stats_delta(before)
+    assert delta["bytes_copied"] == 0 and delta["arrays_resent"] == 1
+    assert np.array_equal(first, second)
+    del first, second
 
 
 def test_calloc_of_reused_memory_is_zero():
@@ -208,8 +231,8 @@ def test_a_born_array_crosses_processes_without_a_copy(ctx, child):
     got = c.receive()
     assert np.array_equal(got, np.arange(N)) and torchshm.is_shared(got)
     c.send("write")
-    assert c.receive() == "written"
-    assert (got[:10] == -1).all(), "a born array is shared, like share_memory_()"
+    assert c.receive() == ("written", True)
+    assert (got[:10] == np.arange(10)).all(), "the sender wrote after the send"
     c.send("stats")
     sender = c.receive()
     assert sender["allocations_shared"] >= 1

@@ -415,3 +415,65 @@ def test_default_forkserver_workers_share_wherever_torchshm_is_imported(
 ):
     results = run_script(tmp_path, DEFAULT_FORKSERVER_SCRIPT, where)
     assert results == [[True, True]] * 8
+
+
+class _Frames(torch.utils.data.Dataset):
+    """Samples as a pipeline makes them: a fresh 1 MiB array each, with
+    what this worker's torchshm did so far."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full((256, 1024), float(i), dtype=np.float32), _sender_counts()
+
+
+def _sender_counts():
+    counts = torchshm.stats()
+    return counts["allocations_shared"], counts["bytes_copied"]
+
+
+def _stack_reporting(samples):
+    """np.stack's batch, and the worker's counts so far."""
+    return np.stack([array for array, _ in samples]), _sender_counts()
+
+
+@pytest.mark.parametrize("batch_size", [2, None])
+@pytest.mark.parametrize("hook", ["none", "worker_init_fn"])
+def test_numpy_batches_are_born_shared_in_the_workers(ctx, batch_size, hook):
+    # Note [Batches born shared] in torchshm/_dataloader.py: np.stack's
+    # batch (and a sample with batch_size=None) is made in shared memory and
+    # goes by reference: the worker copies nothing when it sends it.
+    loader = DataLoader(
+        _Frames(),
+        batch_size=batch_size,
+        num_workers=1,
+        collate_fn=_stack_reporting if batch_size else torchshm.convert,
+        multiprocessing_context=ctx,
+        timeout=TIMEOUT,
+        worker_init_fn=torchshm.worker_init_fn if hook == "worker_init_fn" else None,
+    )
+    got = list(loader)
+    assert len(got) == (4 if batch_size else 8)
+    for batch, _ in got:
+        assert torchshm.is_shared(batch)
+    values = np.concatenate([b.reshape(-1, 256 * 1024)[:, 0] for b, _ in got])
+    assert sorted(values) == [float(i) for i in range(8)]
+    # Counted before each later batch was made: its predecessors' sends.
+    born, copied = got[-1][1]
+    assert born >= len(got) - 1 and copied == 0
+
+
+def test_a_hook_that_says_allocate_false_keeps_numpys_allocator(ctx):
+    loader = DataLoader(
+        _Frames(),
+        batch_size=4,
+        num_workers=1,
+        collate_fn=_stack_reporting,
+        multiprocessing_context=ctx,
+        timeout=TIMEOUT,
+        worker_init_fn=torchshm.chain(None, allocate=False),
+    )
+    got = list(loader)
+    born, copied = got[-1][1]  # the first batch was copied when sent
+    assert born == 0 and copied >= got[0][0].nbytes

@@ -9,11 +9,12 @@ calling it registers again in case the import happened earlier with the
 reducers off. Under forkserver (Python 3.14's default on Linux) no hook is
 needed while the fork server has not started when torchshm registers: it
 joins the server's preload list (_registry._preload_in_forkserver).
-So that importing torchshm is enough, a DataLoader whose workers start by
-spawn or forkserver while torchshm is registered in its process runs them
-with chain(its worker_init_fn) for that iter() (_register_workers): its
-workers register without the user's help, and the user's function still
-runs. That is the DataLoader's own hook, used as the user would; a loader
+So that importing torchshm is enough, a DataLoader whose workers start
+while torchshm is registered in its process runs them with chain(its
+worker_init_fn) for that iter() (_register_workers): its workers register
+without the user's help (under fork they inherit it anyway), their batches
+are born shared (Note [Batches born shared]), and the user's function
+still runs. That is the DataLoader's own hook, used as the user would; a loader
 that overrides _get_iterator (torchdata's StatefulDataLoader) is left as it
 is, and torchshm warns there once (Note [Arrays that arrive by value] in
 _send/arrivals.py).
@@ -21,6 +22,24 @@ A worker reads the settings (TORCHSHM_*) from the environment it inherited:
 under forkserver, the fork server's, as it was when the server started. So
 register(tensors=True) after the server started does not reach the workers;
 chain(fn, tensors=True) carries the switch in the hook itself.
+
+Note [Batches born shared]
+A batch a collate function returns as NumPy (np.stack, xarray's or
+pandas' to_numpy()), or a sample with batch_size=None, is made by NumPy in
+the worker's private memory and copied into shared memory when it is sent:
+two copies, where torch's default collate writes its tensors once into
+shared memory. So a DataLoader worker allocates with torchshm's allocator
+(set_allocator: arrays of at least the threshold are born in a segment,
+smaller ones stay NumPy's): what it sends is in shared memory when it is
+made, and goes by reference. The DataLoader's hook turns it on in every
+worker (_register_workers), under every start method, and so do
+worker_init_fn, chain (by default) and the reading services'
+register_in_worker, in worker processes only (born_shared_here: a hook run
+in the main process leaves it off). A hook the user built with chain(fn,
+allocate=False) is left as it is. What it costs an array that never leaves
+the worker: its allocation from the pool instead of NumPy's (`python -m
+benchmarks --only born_cost`), and its memory counts as shared until it is
+freed.
 
 Note [One segment per batch]
 `np.stack` into fresh memory and then a send copies each batch twice: once
@@ -32,6 +51,7 @@ reference (`is_shared`), so a batch costs one copy and one segment.
 
 import collections.abc
 import functools
+import multiprocessing as mp
 import warnings
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -112,6 +132,8 @@ def worker_init_fn(worker_id: Optional[int] = None) -> None:
         )
         return chain(worker_id)
     _register_in_worker()
+    if born_shared_here():
+        _allocator.set_allocator(True)
     return None
 
 
@@ -134,7 +156,7 @@ class AllocatingIterDataPipe(IterDataPipe):
 def chain(
     fn: Optional[Callable[..., T]],
     *,
-    allocate: bool = False,
+    allocate: Optional[bool] = None,
     tensors: Optional[bool] = None,
 ) -> Callable[..., Optional[T]]:
     """A picklable hook that registers torchshm, then calls `fn`.
@@ -152,11 +174,14 @@ def chain(
     fn : callable or None
         Your hook or map function; ``None``: the hook only registers. Under
         spawn and forkserver it must be picklable (a module-level function).
-    allocate : bool, optional
+    allocate : bool or None, optional
         Also turn on born-shared allocation (``set_allocator(True)``) in the
         calling thread first, and in the thread that iterates a datapipe
-        `fn` returns (`torchshm.torchdata.with_allocator`): the arrays the
-        worker makes are then sent without a copy. Default ``False``.
+        `fn` returns (`torchshm.torchdata.with_allocator`): the arrays of at
+        least the threshold that the worker makes are then sent without a
+        copy (Note [Batches born shared]). ``None`` (default): where the
+        hook runs in a worker process, not in the main process; ``True``:
+        wherever it runs; ``False``: never (NumPy's allocator stays).
     tensors : bool or None, optional
         Turn the tensor switch on or off in the worker
         (``register(tensors=...)``); ``None`` (default) leaves it to the
@@ -185,9 +210,9 @@ def chain(
     --------
     >>> import torch
     >>> from torch.utils.data import DataLoader
-    >>> hook = torchshm.chain(torch.manual_seed, allocate=True)
+    >>> hook = torchshm.chain(torch.manual_seed)
     >>> hook
-    torchshm.chain(<function manual_seed at 0x...>, allocate=True)
+    torchshm.chain(<function manual_seed at 0x...>)
     >>> loader = DataLoader(
     ...     [np.full(100_000, i) for i in range(4)],
     ...     batch_size=2,
@@ -221,16 +246,17 @@ class RegisterThenCall:
     allocate = False  # hooks pickled before allocate existed
     tensors = None  # ... and before tensors existed
 
-    def __init__(self, fn, wrapper, allocate=False, tensors=None):
+    def __init__(self, fn, wrapper, allocate=None, tensors=None):
         self.fn, self.wrapper = fn, wrapper
         self.allocate, self.tensors = allocate, tensors
 
     def __call__(self, *args):
         _register_in_worker(self.tensors)
-        if self.allocate:
+        allocate = born_shared_here() if self.allocate is None else self.allocate
+        if allocate:
             _allocator.set_allocator(True)
         result = None if self.fn is None else self.fn(*args)
-        if not self.allocate:
+        if not allocate:
             return result
         # A torchdata hook returns the datapipe, which a worker may iterate
         # in another thread (its prefetcher): turn it on there too.
@@ -239,24 +265,25 @@ class RegisterThenCall:
         return result
 
     def __repr__(self):
-        allocate = ", allocate=True" if self.allocate else ""
+        allocate = "" if self.allocate is None else f", allocate={self.allocate}"
         tensors = "" if self.tensors is None else f", tensors={self.tensors}"
         return f"{self.wrapper}({self.fn!r}{allocate}{tensors})"
 
 
 def _register_workers(get_iterator):
-    """DataLoader._get_iterator that gives spawn and forkserver workers
-    torchshm's hook (Note [Registration in workers])."""
+    """DataLoader._get_iterator that gives its workers torchshm's hook:
+    registration under spawn and forkserver (Note [Registration in
+    workers]), born-shared arrays under every start method (Note [Batches
+    born shared])."""
 
     @functools.wraps(get_iterator)
     def _get_iterator(self):
         hook = self.worker_init_fn
         if (
             self.num_workers == 0
-            or isinstance(hook, RegisterThenCall)
+            or isinstance(hook, RegisterThenCall)  # the user's own choice
             or hook is worker_init_fn
             or not _registry.is_registered()
-            or _start_method(self.multiprocessing_context) == "fork"
         ):
             return get_iterator(self)
         self.worker_init_fn = RegisterThenCall(hook, "torchshm.chain")
@@ -267,14 +294,6 @@ def _register_workers(get_iterator):
 
     _get_iterator.torchshm_original = get_iterator
     return _get_iterator
-
-
-def _start_method(context):
-    """The start method of a DataLoader's multiprocessing_context (None:
-    torch.multiprocessing's default)."""
-    if context is None:
-        return torch.multiprocessing.get_start_method()
-    return context.get_start_method()
 
 
 def _install_worker_registration():
@@ -290,6 +309,14 @@ def _uninstall_worker_registration():
 
 
 _registry.while_registered(_install_worker_registration, _uninstall_worker_registration)
+
+
+def born_shared_here():
+    """Whether a worker hook turns the allocator on in this process (Note
+    [Batches born shared]): in a worker (a multiprocessing child) where
+    torchshm is registered; not where a hook runs in the main process (a
+    thread-based mapper, a test)."""
+    return mp.parent_process() is not None and _registry.is_registered()
 
 
 def _register_in_worker(tensors=None):

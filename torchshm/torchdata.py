@@ -38,6 +38,7 @@ from typing import Any, Optional, TypeVar
 
 from torchshm import _dataloader, _share
 from torchshm._dataloader import _register_in_worker
+from torchshm._send import allocator as _allocator
 from torchshm._send import registry as _registry
 
 T = TypeVar("T")
@@ -101,8 +102,11 @@ def register_in_worker(datapipe: T, worker_info: Any = None) -> T:
 
     Pass it as ``MultiProcessingReadingService(worker_init_fn=...)``: it
     registers torchshm's reducers in the worker (not under
-    ``TORCHSHM_DISABLE=1``) and returns the datapipe unchanged. To run your
-    own hook too, pass ``torchshm.chain(your_fn)`` instead.
+    ``TORCHSHM_DISABLE=1``) and turns born-shared allocation on for the
+    worker's pipeline (Note [Batches born shared] in _dataloader.py): an
+    ``IterDataPipe`` comes back as `with_allocator` of it, which yields the
+    same items; a map-style one unchanged. To run your own hook too, pass
+    ``torchshm.chain(your_fn)`` instead.
 
     Parameters
     ----------
@@ -114,7 +118,7 @@ def register_in_worker(datapipe: T, worker_info: Any = None) -> T:
     Returns
     -------
     IterDataPipe or MapDataPipe
-        `datapipe`, unchanged.
+        `datapipe`'s items, made with the allocator on.
 
     Raises
     ------
@@ -135,7 +139,7 @@ def register_in_worker(datapipe: T, worker_info: Any = None) -> T:
             num_workers=2, worker_init_fn=torchshm.torchdata.register_in_worker)
         loader = DataLoader2(datapipe, reading_service=rs)
 
-    What each worker does:
+    In the main process (no worker) it only registers:
 
     >>> from torch.utils.data.datapipes.iter import IterableWrapper
     >>> pipe = IterableWrapper(range(3))
@@ -143,6 +147,13 @@ def register_in_worker(datapipe: T, worker_info: Any = None) -> T:
     True
     """
     _register_in_worker()
+    if not _dataloader.born_shared_here():
+        return datapipe
+    # Note [Batches born shared] in _dataloader.py; a map-style datapipe is
+    # read in the thread that called this.
+    _allocator.set_allocator(True)
+    if isinstance(datapipe, _dataloader.IterDataPipe):
+        return with_allocator(datapipe)
     return datapipe
 
 

@@ -83,6 +83,24 @@ void unmap_tracked(void* p, size_t n) {
   ::munmap(p, n);
 }
 
+bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset) {
+  // Mapped elsewhere first, then moved over the old range in one call: a
+  // failure leaves the old mapping where it was (MAP_FIXED over it would
+  // have removed it first).
+  void* fresh = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, flags, fd,
+                       static_cast<off_t>(offset));
+  if (fresh == MAP_FAILED) return false;
+  Guard& g = guard();
+  // Under the mutex: no fork between the move and its advice.
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (::mremap(fresh, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, p) == MAP_FAILED) {
+    ::munmap(fresh, n);
+    return false;
+  }
+  ::madvise(p, n, MADV_DONTFORK);
+  return true;
+}
+
 void prepared_fork() {
   Guard& g = guard();
   std::lock_guard<std::mutex> lock(g.mutex);

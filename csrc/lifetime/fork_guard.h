@@ -35,6 +35,10 @@ void track_mapping(void* p, size_t n);
 // Unmaps [p, p + n) if this process maps it: not if a fork that torchshm
 // did not prepare left it behind (the address may hold another mapping).
 void unmap_tracked(void* p, size_t n);
+// Replaces [p, p + n), part of a tracked mapping, by a read-write mapping of
+// `fd` at `offset` with `flags` (MAP_SHARED or MAP_PRIVATE), DONTFORK as the
+// rest; false, with the old mapping intact, where it cannot.
+bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset);
 // Called by the fork hook of the thread about to fork, once the child's
 // holds are taken: that fork's child inherits every mapping.
 void prepared_fork();

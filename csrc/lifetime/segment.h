@@ -271,6 +271,26 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // privately]); reuse by the pool clears it.
   void mark_snapshot();
   bool snapshot() const;
+  // Note [A born array is sent as it was]
+  // An array born in a segment (Note [Born shared] in send/allocator.h) and
+  // sent, not share()d, must reach its receivers as it was at the send, as
+  // any other sent array does: the sender may write into it afterwards
+  // (a buffer a dataset reuses). So at its first send the creator's own
+  // mapping of the data becomes private (copy-on-write: its later writes
+  // are its own pages) and the generation a snapshot (receivers map it
+  // privately too), with no copy: freeze_data(). A later send of it is by
+  // reference while this process wrote none of its pages, else a new
+  // snapshot (frozen_written). When the pool reuses the segment, no array
+  // of this process is over it: thaw_data() maps the data shared again.
+  // A block of a slab is never frozen (its slab's other blocks are shared
+  // memory): small born arrays stay shared, as the allocator's page says.
+  // False if it cannot (no fd, the mapping refused): then the caller copies.
+  bool freeze_data();
+  bool data_frozen() const;
+  // Whether this process wrote a page of data bytes [lo, hi) since it froze.
+  bool frozen_written(int64_t lo, int64_t hi);
+  // Maps the data shared again (the pool reuses it); false if it cannot.
+  bool thaw_data();
   // A private mapping of the data for one view, with no page written:
   // the idle one, or a new one from this process's fd; nullptr if neither
   // (see the Note). give_back_private() takes it back when the view dies.
@@ -371,8 +391,9 @@ class Segment : public std::enable_shared_from_this<Segment> {
   uint64_t readonly_generation_ = 0;
   WriteWatch readonly_clean_;
   mutable std::mutex mappings_mutex_;
-  bool write_fill_ = false;  // created without populate: fill() by pwrite
-  const uint64_t epoch_;     // mapping_epoch() when its mappings were made
+  bool write_fill_ = false;   // created without populate: fill() by pwrite
+  bool data_frozen_ = false;  // freeze_data(); the mutex's
+  const uint64_t epoch_;      // mapping_epoch() when its mappings were made
 
  public:
   // Set while a pool of this process keeps the segment (pool.h): its last

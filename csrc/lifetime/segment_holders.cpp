@@ -153,6 +153,9 @@ bool Segment::has_ticket_in_flight() const {
 bool Segment::reserve_for_reuse(int own_slot, int64_t own_views) {
   if (views_.load() != own_views || pinned() || has_live_holder(own_slot))
     return false;
+  // A frozen creator's mapping is shared again before anyone writes the
+  // next generation (Note [A born array is sent as it was]).
+  if (!thaw_data()) return false;
   header()->generation.fetch_add(1);
   header()->snapshot.store(0);  // whoever takes it next says what it is
   return !has_live_holder(own_slot) && !pinned();

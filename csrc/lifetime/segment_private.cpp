@@ -4,11 +4,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
 #include "base/parallel.h"
 #include "base/stats.h"
+#include "lifetime/fork_guard.h"
 #include "lifetime/private_mappings.h"
 #include "lifetime/segment.h"
 
@@ -24,6 +26,45 @@ constexpr int64_t kMinScanPerThread = 64 << 20;
 void Segment::mark_snapshot() { header()->snapshot.store(1); }
 
 bool Segment::snapshot() const { return header()->snapshot.load() != 0; }
+
+bool Segment::freeze_data() {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  if (data_frozen_) return true;
+  const int fd = fd_.load();
+  if (fd < 0 || lost() ||
+      !remap_tracked(data(), static_cast<size_t>(capacity_), MAP_PRIVATE, fd,
+                     static_cast<int64_t>(kHeaderBytes)))
+    return false;
+  data_frozen_ = true;
+  mark_snapshot();
+  return true;
+}
+
+bool Segment::data_frozen() const {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  return data_frozen_;
+}
+
+bool Segment::frozen_written(int64_t lo, int64_t hi) {
+  if (!data_frozen() || hi <= lo) return false;
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  const int64_t start = lo / page * page;
+  const int64_t end =
+      std::min<int64_t>((hi + page - 1) / page * page, capacity_);
+  return written_pages(data() + start, end - start);
+}
+
+bool Segment::thaw_data() {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  if (!data_frozen_) return true;
+  const int fd = fd_.load();
+  if (fd < 0 ||
+      !remap_tracked(data(), static_cast<size_t>(capacity_), MAP_SHARED, fd,
+                     static_cast<int64_t>(kHeaderBytes)))
+    return false;
+  data_frozen_ = false;
+  return true;
+}
 
 uint8_t* Segment::map_private(int fd) const {
   const size_t n = mapped_bytes_ - kHeaderBytes;

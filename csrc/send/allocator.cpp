@@ -284,6 +284,11 @@ at::Tensor born_tensor(const void* data) {
   return py::handle(owner_of(it->second)).cast<at::Tensor>();
 }
 
+bool born_whole_segment(const void* data) {
+  auto it = blocks.find(reinterpret_cast<uintptr_t>(data));
+  return it != blocks.end() && it->second.slab == nullptr;
+}
+
 int64_t born_blocks() { return static_cast<int64_t>(blocks.size()); }
 
 }  // namespace torchshm

@@ -44,6 +44,10 @@ py::object born_fallback(py::handle handler);
 py::object current_numpy_handler();
 py::object swap_numpy_handler(py::handle handler);  // returns the previous
 
+// Whether `data` starts a born block that has a segment of its own (not a
+// block of a slab).
+bool born_whole_segment(const void* data);
+
 // The segment tensor behind the born block starting at `address`, or None.
 py::object born_owner(int64_t address);
 // The same for the sender's plan: undefined when `data` is not a born block.

@@ -124,9 +124,20 @@ Placement Plan::place(PyArrayObject* array) {
     // Pages of a private (or read-only) mapping that this process wrote
     // are its own, not the segment's: a reference would send the segment's
     // bytes instead.
+    // A born array is sent as it was: the creator's mapping of its segment
+    // is frozen at its first send (Note [A born array is sent as it was] in
+    // segment.h); where that cannot be, it is copied.
+    const bool born = !root && !root_tensor.defined() &&
+                      born_whole_segment(PyArray_DATA(nearest));
+    if (born && !sharing && !view->segment->freeze_data())
+      return copy_view(array, extent(), root, nearest);
     auto written = [&] {
-      if (view->kind == Segment::Mapping::kShared) return false;
+      if (view->kind == Segment::Mapping::kShared &&
+          !view->segment->data_frozen())
+        return false;
       const auto [lo, hi] = extent();
+      if (view->kind == Segment::Mapping::kShared)
+        return view->segment->frozen_written(offset + lo, offset + hi);
       return written_privately(view, offset + lo, offset + hi);
     };
     if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
