@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 # Build outputs and caches: never part of the sdist.
 IGNORED_DIRS = {
     ".git",
-    ".venv",
     "build",
     "dist",
     "__pycache__",
@@ -54,6 +53,7 @@ def ignore(directory, names):
         for n in names
         if n in IGNORED_DIRS
         or n in IGNORED_FILES
+        or n.startswith(".venv")  # the lanes' venvs: .venv, .venv-newest, .venv-lock
         or n.endswith((".so", ".pyc", ".egg-info"))
     }
 
