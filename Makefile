@@ -16,7 +16,7 @@ MADE := $(VENV)/.pip-stack
 STACK := $(VENV)/.pip-stack-installed
 PEER_STACK := $(VENV)/.peers-installed
 BUILT := $(VENV)/.torchshm-built
-REQUIREMENTS := requirements/pip.txt requirements/constraints.txt
+REQUIREMENTS := requirements/pip.txt requirements/tools.txt requirements/constraints.txt
 # Compilers for the extension; util-linux for the unshare tests.
 DEBS := g++ util-linux
 LINT_DEBS := black flake8 clang-format
@@ -33,8 +33,8 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 # lane's installs set an empty constraint file in its place.
 PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 
-.PHONY: deps build wheel test test-debian12 test-debian13 bench soak device docs figures \
-	notebooks lint format lock clean
+.PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak device \
+	docs figures notebooks lint format lock lock-newest clean
 
 # Installs only the Debian packages that are missing.
 apt_install = @scripts/apt_install.sh $(1)
@@ -151,11 +151,51 @@ lock: | deps
 	$(PYTHON) -m venv .venv-lock
 	$(call PIP,.venv-lock/bin/python) install -q -r requirements/pip.txt -r requirements/peers.txt \
 		2>&1 | $(QUIET_PIP)
-	top=$$(cat requirements/pip.txt requirements/peers.txt \
-		| grep -Eo '^[A-Za-z0-9_.-]+' | paste -sd'|'); \
+	top=$$(cat requirements/pip.txt requirements/tools.txt requirements/peers.txt \
+		| grep -Eo '^[A-Za-z0-9_.][A-Za-z0-9_.-]*' | paste -sd'|'); \
 	{ echo "# What requirements/pip.txt and peers.txt pull in, pinned: written by \`make lock\`."; \
 	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
 	} >requirements/constraints.txt
+	rm -rf .venv-lock
+
+# The newest lane: `make test-newest`, the stack a new project gets today
+# (requirements/newest.txt: Python 3.13 from pyenv, NumPy 2.5, torch 2.15,
+# pandas 3.1, pyarrow), pinned like the pip lane, in .venv-newest; torchshm
+# built into it from this checkout (its extension file is Python 3.13's, beside
+# the pip lane's).
+NEWEST_PYTHON ?= $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13)))
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_REQUIREMENTS := requirements/newest.txt requirements/tools.txt \
+	requirements/constraints-newest.txt
+
+$(NEWEST_VENV)/.stack-installed: $(NEWEST_REQUIREMENTS) | deps
+	@test -x "$(NEWEST_PYTHON)" || { echo "test-newest: no Python 3.13 found;" \
+		"give one: make test-newest NEWEST_PYTHON=/path/to/python3.13" >&2; exit 1; }
+	rm -rf $(NEWEST_VENV)
+	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(call PIP,$(NEWEST_PY)) install -q -r requirements/newest.txt \
+		-c requirements/constraints-newest.txt 2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(NEWEST_VENV)/.torchshm-built: $(SOURCES) $(NEWEST_VENV)/.stack-installed
+	MAX_JOBS=$$(nproc) $(NEWEST_PY) -m pip install -q --no-build-isolation --no-deps \
+		--no-index -e . 2>&1 | $(QUIET_PIP)
+	touch $@
+
+test-newest: $(NEWEST_VENV)/.torchshm-built
+	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS)
+
+# Pins what requirements/newest.txt pulls in, from a scratch venv of NEWEST_PYTHON.
+lock-newest: | deps
+	rm -rf .venv-lock
+	$(NEWEST_PYTHON) -m venv .venv-lock
+	$(call PIP,.venv-lock/bin/python) install -q -r requirements/newest.txt 2>&1 | $(QUIET_PIP)
+	top=$$(cat requirements/newest.txt requirements/tools.txt \
+		| grep -Eo '^[A-Za-z0-9_.][A-Za-z0-9_.-]*' | paste -sd'|'); \
+	{ echo "# What requirements/newest.txt pulls in, pinned: written by \`make lock-newest\`."; \
+	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
+	} >requirements/constraints-newest.txt
 	rm -rf .venv-lock
 
 lint:
@@ -173,5 +213,5 @@ format:
 	clang-format -i $(CSRC)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json \
+	rm -rf $(VENV) $(NEWEST_VENV) build dist *.egg-info torchshm/_C*.so torchshm/_build_info.json \
 		$(DOCS_BUILD)

@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,9 +90,9 @@ def build(work):
     python = venv / "bin" / "python"
     _sees_this_environment(python)
     has_build = importlib.util.find_spec("build") is not None
-    if has_build and sys.prefix != sys.base_prefix:
-        # The pip lane (a venv): the install guide's sdist route, as
-        # written, in the fresh venv.
+    if has_build and pip_installed_torch():
+        # The pip lane (torch from PyPI, in a venv): the install guide's
+        # sdist route, as written, in the fresh venv.
         dist = src / "dist"
         env = venv_env(venv)
         for line in guide_sdist_route():
@@ -160,6 +161,15 @@ def _sees_this_environment(python):
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     inner = Path(run([str(python), "-c", purelib]).strip())
     (inner / "_outer_environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
+
+
+def pip_installed_torch():
+    """Whether torch is pip's, in this venv (the pip and newest lanes), not
+    Debian's (the Debian lanes' venvs see it through their system site
+    packages: pip would resolve its pins, which Debian does not meet)."""
+    return sys.prefix != sys.base_prefix and Path(torch.__file__).is_relative_to(
+        sys.prefix
+    )
 
 
 def guide_sdist_route():
@@ -322,7 +332,8 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         requires = [
-            line.split(":", 1)[1].strip()
+            # Older setuptools (Debian 12's) write "torch (==1.13.*)".
+            re.sub(r"[\s()]", "", line.split(":", 1)[1])
             for line in archive.read(name).decode().splitlines()
             if line.startswith("Requires-Dist:")
         ]
@@ -337,14 +348,16 @@ def test_sdist_has_every_source_file_and_installs_into_a_fresh_venv(tmp_path):
 
 def _dry_install(wheel, torch_version, tmp_path):
     """`pip install --dry-run` of `wheel` into a fresh venv whose only torch
-    is a distribution's metadata of version `torch_version` (and numpy's)."""
+    is a distribution's metadata of version `torch_version` (and numpy's,
+    of this numpy's version)."""
     venv = tmp_path / f"torch-{torch_version}"
     run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     python = str(venv / "bin" / "python")
     purelib = run(
         [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
     )
-    for name, version in (("torch", torch_version), ("numpy", "2.0.0")):
+    # This numpy's version: a wheel built against NumPy 1 requires numpy<2.
+    for name, version in (("torch", torch_version), ("numpy", np.__version__)):
         info = Path(purelib.strip()) / f"{name}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(

@@ -48,15 +48,19 @@ def _value(x):
 
 
 def _later(work, *args):
-    """Runs work(*args) in a non-daemon thread once multiprocessing's exit
-    finalizers have reached priority -50, just above torchshm's exit hook
-    (-100): without Note [Exit after the threads], that hook has let go by
-    the time the thread works."""
-    finalized = threading.Event()
-    util.Finalize(None, finalized.set, exitpriority=-50)
+    """Runs work(*args) in a non-daemon thread once the process has begun to
+    exit: multiprocessing's exit finalizers reached priority -50, just above
+    torchshm's exit hook (-100: Python up to 3.12 runs them as the target
+    returns, and without Note [Exit after the threads] that hook has let go
+    by the time the thread works), or the threads are about to be joined
+    (the functions threading runs first; Python 3.13 runs the finalizers
+    only after the join), whichever comes first."""
+    exiting = threading.Event()
+    util.Finalize(None, exiting.set, exitpriority=-50)
+    threading._register_atexit(exiting.set)
 
     def run():
-        if finalized.wait(TIMEOUT):
+        if exiting.wait(TIMEOUT):
             work(*args)
 
     threading.Thread(target=run, daemon=False).start()

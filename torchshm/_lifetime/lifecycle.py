@@ -157,13 +157,15 @@ def _after_fork_in_child():
 #   multiprocessing's exit function and its finalizers, ours last
 #   (_EXIT_PRIORITY, below a Queue's flush and join at -5).
 # - A multiprocessing child, of any start method (a Process, a Pool or
-#   ProcessPoolExecutor worker, a DataLoader worker): its bootstrap runs the
-#   finalizers as soon as the target returns and only then joins the
-#   threads, which may still send, receive and hold arrays. Our finalizer
-#   finds a non-daemon thread alive and defers: the threading._shutdown that
-#   torchshm wraps runs, once the threads have ended, the finalizers
-#   registered since (a Queue that a late thread started is flushed and
-#   joined, as in a script) and then the exit work.
+#   ProcessPoolExecutor worker, a DataLoader worker): up to Python 3.12 its
+#   bootstrap runs the finalizers as soon as the target returns and only
+#   then joins the threads, which may still send, receive and hold arrays.
+#   Our finalizer finds a non-daemon thread alive and defers: the
+#   threading._shutdown that torchshm wraps runs, once the threads have
+#   ended, the finalizers registered since (a Queue that a late thread
+#   started is flushed and joined, as in a script) and then the exit work.
+#   Python 3.13 joins a child's threads first and runs its finalizers at
+#   its atexit, as a script does: nothing is deferred there.
 # - Python stops waiting for a non-daemon thread (Ctrl-C during the join):
 #   that thread is then treated as a daemon thread is for messages, and the
 #   process keeps every holding until it is dead: the lock file's death
