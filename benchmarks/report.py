@@ -4,6 +4,7 @@ summarized or formatted, so every scenario reports the same way."""
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -124,15 +125,100 @@ def fmt(value, unit):
     return str(value)
 
 
+# One colour per method, the same in every figure: torchshm's ways in reds
+# and oranges, torch's in purples, the peers in blues and greens, pickling
+# through a pipe in greys. A method missing here gets a colour of tab20 by
+# its name (stable too).
+COLORS = {
+    "torchshm": "#d62728",
+    "torchshm_shared": "#ff7f0e",
+    "torchshm_always": "#e377c2",
+    "torchshm_collate": "#8c564b",
+    "torchshm_born": "#bcbd22",
+    "torchshm_initializer": "#ff9896",
+    "torch_torchshm": "#f7b6d2",
+    "torch": "#9467bd",
+    "torch_fs": "#c5b0d5",
+    "pipe": "#7f7f7f",
+    "pipe_again": "#c7c7c7",
+    "shm_pickle5": "#17becf",
+    "ray": "#1f77b4",
+    "joblib": "#2ca02c",
+    "grain": "#98df8a",
+    "tensordict": "#aec7e8",
+}
+
+
+# What a method is in a scenario that gives it another meaning: in the
+# DataLoader scenarios "torchshm" is np.stack's batch sent through torchshm.
+SCENARIO_LABELS = {
+    "dataloader": {
+        "pipe": "np.stack, pickled",
+        "torchshm": "np.stack + torchshm",
+        "torch": "default collate, torch",
+        "torch_torchshm": "default collate via torchshm",
+    },
+    "docker_shm": {
+        "torchshm": "np.stack + torchshm",
+        "torch": "default collate, torch",
+        "torch_tensors": "default collate via torchshm",
+        "tensor_samples": "tensor samples, torch",
+        "tensor_samples_tensors": "tensor samples via torchshm",
+        "pipe": "np.stack, pickled",
+    },
+    "dataloader_scale": {
+        "torchshm": "np.stack + torchshm",
+        "torch": "default collate, torch",
+        "torch_torchshm": "default collate via torchshm",
+    },
+}
+
+
+def label(result_name, method):
+    """What `method` is called in scenario `result_name`'s tables and figures."""
+    own = SCENARIO_LABELS.get(result_name, {})
+    return own.get(method) or LABELS.get(method, method)
+
+
+def color(method):
+    """`method`'s colour in every figure."""
+    if method in COLORS:
+        return COLORS[method]
+    import matplotlib
+
+    index = sum(method.encode()) % 20
+    return matplotlib.colormaps["tab20"](index)
+
+
+def ordered(methods):
+    """torchshm's methods first (after the row label, where a reader looks),
+    then the others in their order."""
+    ours = [m for m in methods if "torchshm" in m]
+    return ours + [m for m in methods if m not in ours]
+
+
+def one_line(note):
+    """A note on one line: a child's error with its traceback becomes its
+    first line and the exception at its end (no paths of the machine)."""
+    lines = [line.strip() for line in note.splitlines() if line.strip()]
+    errors = [line for line in lines[1:] if re.match(r"\w+(Error|Exception)\b", line)]
+    if len(lines) <= 1:
+        return note
+    return f"{lines[0]} ... {errors[-1]}" if errors else lines[0]
+
+
 def markdown(result):
     """The scenario as a markdown table: one row per case, one column per
-    method with `median [min-max] ratio-to-pipe`, then the extra columns."""
-    methods = result.methods()
+    method with `median [min-max] ratio-to-pipe`, torchshm's first, then the
+    extra columns."""
+    methods = ordered(result.methods())
     columns = list(dict.fromkeys(c for e in result.extras.values() for c in e))
     lines = [
         f"### {result.title}",
         "",
-        "| case | " + " | ".join(LABELS.get(m, m) for m in methods + columns) + " |",
+        "| case | "
+        + " | ".join([label(result.name, m) for m in methods] + columns)
+        + " |",
         "|---" * (1 + len(methods) + len(columns)) + "|",
     ]
     for case in result.cases():
@@ -153,7 +239,7 @@ def markdown(result):
         for column in columns:
             cells.append(fmt(result.extras.get(case, {}).get(column), None))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + [f"- {note}" for note in result.notes]
+    lines += [""] + [f"- {one_line(note)}" for note in result.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -240,10 +326,12 @@ def plot(result, ax=None):
         fig = ax.figure
     if "lines" in result.summary:
         return _plot_lines(result, result.summary["lines"], ax)
-    cases, methods = result.cases(), result.methods()
-    scale = (1 << 30) if result.unit == "B" else 1  # bytes are shown in GiB
+    cases, methods = result.cases(), ordered(result.methods())
+    in_bytes = result.unit == "B"
+    scale = (1 << 30) if in_bytes else 1  # bytes are shown in GiB
     x = list(range(len(cases)))
     width = 0.8 / max(1, len(methods))
+    failed_at = []  # (x, label) of each run that failed: marked, not blank
     for i, method in enumerate(methods):
         rows = [result.get(case, method) for case in cases]
         xs = [j for j, row in zip(x, rows) if row]
@@ -252,28 +340,67 @@ def plot(result, ax=None):
             [(row["median"] - row["min"]) / scale for row in rows if row],
             [(row["max"] - row["median"]) / scale for row in rows if row],
         ]
-        label = LABELS.get(method, method)
-        # With the peers there are more methods than the default 10 colours.
-        color = matplotlib.colormaps["tab20"](i % 20)
+        name = label(result.name, method)
+        offset = [v - 0.4 + width * (i + 0.5) for v in xs]
         if result.name == "per_item":
             ax.errorbar(
-                xs, med, yerr=err, marker="o", ms=3, capsize=2, label=label, color=color
+                xs,
+                med,
+                yerr=err,
+                marker="o",
+                ms=3,
+                capsize=2,
+                label=name,
+                color=color(method),
             )
         else:
-            offset = [v - 0.4 + width * (i + 0.5) for v in xs]
-            ax.bar(offset, med, width, yerr=err, capsize=2, label=label, color=color)
+            ax.bar(
+                offset,
+                med,
+                width,
+                yerr=err,
+                capsize=2,
+                label=name,
+                color=color(method),
+            )
+        failed_at += [
+            (j - 0.4 + width * (i + 0.5), method)
+            for j, case in zip(x, cases)
+            if _failed(result, case, method)
+        ]
     ax.set_xticks(x)
-    ax.set_xticklabels(cases, rotation=30 if len(cases) > 4 else 0, ha="right")
-    ax.set_yscale("log")
-    ax.set_ylabel("GiB" if result.unit == "B" else "seconds (lower is better)")
-    if result.unit == "B":  # GiB as plain numbers (0.2, 3), not 2e-01 or 3x10^0
-
-        class Plain(matplotlib.ticker.LogFormatter):
-            def __call__(self, v, pos=None):  # the ticks it labels, as %g
-                return f"{v:g}" if super().__call__(v, pos) else ""
-
-        ax.yaxis.set_major_formatter(Plain())
-        ax.yaxis.set_minor_formatter(Plain())
+    # Cases that are methods (scenario 12's) by what they are too.
+    names = [label(result.name, c) for c in cases]
+    ax.set_xticklabels(names, rotation=30 if len(cases) > 4 else 0, ha="right")
+    if in_bytes:  # GiB on a linear axis: a copy more is a bar twice as tall
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_ylabel("GiB (lower is better)")
+    else:
+        ax.set_yscale("log")
+        ax.set_ylabel("time, log scale (lower is better)")
+        times_on(ax.yaxis)
+    for at, method in failed_at:
+        ax.plot(
+            at,
+            0.02,
+            marker="x",
+            ms=8,
+            color=color(method),
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+        )
+        ax.text(
+            at,
+            0.06,
+            "failed",
+            rotation=90,
+            fontsize=7,
+            ha="center",
+            va="bottom",
+            color="#333333",
+            transform=ax.get_xaxis_transform(),
+        )
     ax.set_title(result.title)
     ax.grid(True, which="both", axis="y", alpha=0.3)
     ax.legend(fontsize=8)
@@ -281,10 +408,32 @@ def plot(result, ax=None):
     return fig
 
 
+def times_on(axis):
+    """A log axis of seconds labelled as times ("60 ms", "1.5 s"), on the
+    ticks matplotlib would label, not as powers of ten."""
+    import matplotlib
+
+    class Times(matplotlib.ticker.LogFormatter):
+        def __call__(self, v, pos=None):
+            return fmt(v, "s") if super().__call__(v, pos) else ""
+
+    axis.set_major_formatter(Times())
+    axis.set_minor_formatter(Times())
+
+
+def _failed(result, case, method):
+    """Whether `method`'s run of `case` failed: recorded so, or none of its
+    runs completed (a "completed (<method>)" column of 0/n)."""
+    completed = str(result.extras.get(case, {}).get(f"completed ({method})", ""))
+    return (case, method) in result.failures or completed.startswith("0/")
+
+
 def _plot_lines(result, lines, ax):
     """A scenario's own series against x (summary["lines"]): one line each,
     styled by lines["styles"] (matplotlib keywords per label), a series
     without a value at some x skips it; values in bytes are shown in GiB."""
+    import matplotlib
+
     x = lines["x"]
     scale = (1 << 30) if result.unit == "B" else 1
     for label, values in lines["series"].items():
@@ -292,6 +441,8 @@ def _plot_lines(result, lines, ax):
         if points:
             style = {"marker": "o", "ms": 4, **lines.get("styles", {}).get(label, {})}
             ax.plot(*zip(*points), label=label, **style)
+    if result.unit == "B":
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xticks(x)
     ax.set_xlabel(lines["xlabel"])
     ax.set_ylabel(lines["ylabel"])

@@ -5,8 +5,9 @@
 
 Writes docs/figures/<scenario>.png for every scenario with numbers,
 docs/figures/headline.png (the README's figure: a 400 MB array from a child,
-and a DataLoader epoch) and docs/figures/reference-run.md (every figure with
-its caption, included by docs/benchmarks.md). Each caption, and the foot of
+and a DataLoader epoch) docs/figures/reference-run.md (every figure with
+its caption, included by docs/benchmarks.md) and docs/figures/results.json
+(the run, which the notebooks show). Each caption, and the foot of
 each image, names the machine, the date and the commit of the run. A
 `--quick` run is refused: the docs show full sizes.
 """
@@ -28,15 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.transports import LABELS  # noqa: E402
 
 FIGURES = ROOT / "docs" / "figures"
 README = ROOT / "README.md"
 # The README's figure sits between these two lines, written by this script.
 README_START = "<!-- figure: written by scripts/docs_figures.py -->"
 README_END = "<!-- end of figure -->"
-TORCHSHM = "#d62728"
-OTHERS = "#9e9e9e"
 
 
 def provenance(run):
@@ -59,15 +57,16 @@ def _bars(ax, result, case, title):
     """Horizontal bars of one case's medians, fastest on top, torchshm's red."""
     rows = [r for r in result.rows if r["case"] == case]
     rows.sort(key=lambda r: r["median"], reverse=True)
-    labels = [LABELS.get(r["method"], r["method"]) for r in rows]
+    labels = [report.label(result.name, r["method"]) for r in rows]
     values = [r["median"] for r in rows]
-    colors = [TORCHSHM if "torchshm" in r["method"] else OTHERS for r in rows]
+    colors = [report.color(r["method"]) for r in rows]
     ax.barh(labels, values, color=colors)
     for y, value in enumerate(values):
         ax.text(value, y, f" {report.fmt(value, 's')}", va="center", fontsize=8)
     ax.set_xscale("log")
     ax.set_xlim(right=max(values) * 6)
-    ax.set_xlabel("seconds, log scale (lower is better)")
+    ax.set_xlabel("time, log scale (lower is better)")
+    report.times_on(ax.xaxis)
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(True, axis="x", which="both", alpha=0.3)
@@ -184,6 +183,8 @@ def main(argv=None):
     if missing:
         sys.exit(f"{args.results}: no {', '.join(sorted(missing))} scenario")
     results = write(run)
+    # The run itself: the notebooks show it (notebooks/benchmarks.ipynb).
+    (FIGURES / "results.json").write_text(json.dumps(run, indent=1) + "\n")
     reference_page(run, results)
     readme_figure(run)
     plotted = sum(1 for r in results if r.rows)

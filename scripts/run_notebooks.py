@@ -48,10 +48,11 @@ def execute(notebook, path, timeout):
     return notebook
 
 
-def progress_bar(output):
-    """A progress bar's redraws (tqdm writes `\\r` lines to stderr): noise in a
-    stored notebook."""
-    return output.get("name") == "stderr" and "\r" in output.get("text", "")
+def noise(output):
+    """What a stored notebook must not show: its stderr (progress bars'
+    redraws, libraries' notices such as Ray's or tqdm's, each naming files
+    of this machine). A cell's results are its stdout, tables and plots."""
+    return output.get("output_type") == "stream" and output.get("name") == "stderr"
 
 
 def main(paths):
@@ -66,7 +67,7 @@ def main(paths):
             execute(notebook, path, timeout=3600)
             for cell in notebook.cells:
                 if cell.cell_type == "code":
-                    cell.outputs = [o for o in cell.outputs if not progress_bar(o)]
+                    cell.outputs = [o for o in cell.outputs if not noise(o)]
             notebook.metadata.pop("widgets", None)
             nbformat.write(notebook, path)
 

@@ -117,11 +117,15 @@ FIGURE = re.compile(
 # A setting's value, as pages quote it: "(`TORCHSHM_KEEPER_TIMEOUT`, 5 s)".
 SETTING = re.compile(r"\(`TORCHSHM_\w+`[^)]*\)")
 # A section that reports a run of its own says how and when: a command in
-# backticks and the run's date.
+# backticks and the run's date. A run of the benchmark suite's scenarios is
+# no run of its own: their figures are the reference run's, so that no two
+# pages quote one scenario differently; a run of its own measures what the
+# suite does not (a micro-benchmark, the build, an example script).
 OWN_RUN = (
     re.compile(r"`[^`\n]*(?:python|make |scripts/|benchmarks)[^`\n]*`"),
     re.compile(r"\b20\d\d-\d\d-\d\d\b"),
 )
+SCENARIO_RUN = re.compile(r"make bench|python -m benchmarks(?:\s|$)")
 REFERENCE_RUN = DOCS / "figures" / "reference-run.md"
 
 
@@ -134,17 +138,49 @@ def figures(text):
             yield float(number), unit, " ".join(match.group(0).split())
 
 
+# A table column whose header names its unit: "GB/s torchshm", "share() s".
+UNIT_COLUMN = re.compile(r"^GB/s\b|\b(s)$")
+
+
+def column_figures(text):
+    """(value, unit) of the plain numbers in table columns whose header
+    names the unit (the reference run writes GB/s and seconds so)."""
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not line.startswith("|---"):
+            for name, cell in zip(header, cells):
+                unit = UNIT_COLUMN.search(name)
+                if unit and re.fullmatch(NUMBER, cell):
+                    yield float(cell), "s" if unit.group(1) else "GB/s"
+
+
 def unheld_figures(text, reference):
     """The figures of sections that name no run of their own and that the
     reference run does not hold, with their section's heading."""
     held = {(value, unit) for value, unit, _ in figures(reference)}
+    held |= set(column_figures(reference))
     return [
         (section.splitlines()[0], written)
         for section in re.split(r"\n(?=#+ )", text)
-        if not all(pattern.search(section) for pattern in OWN_RUN)
+        if not names_its_own_run(section)
         for value, unit, written in figures(section)
         if (value, unit) not in held
     ]
+
+
+def names_its_own_run(section):
+    """Whether `section` names a run of its own (see OWN_RUN), not one of the
+    benchmark suite's scenarios."""
+    commands = [
+        c for c in OWN_RUN[0].findall(section) if not SCENARIO_RUN.search(c.strip("`"))
+    ]
+    return bool(commands) and bool(OWN_RUN[1].search(section))
 
 
 @pytest.mark.parametrize(
@@ -167,9 +203,17 @@ def test_a_stale_figure_is_caught_and_a_named_run_may_quote_its_own():
     assert unheld_figures("# A\n\n15.6 / 192 ms, 5.71 GB/s\n", reference) == [
         ("# A", "15.6 / 192 ms")
     ]
-    named = stale + "\n(`python -m benchmarks --only 12`, 2026-11-28.)\n"
+    named = stale + "\n(`python -m benchmarks.micro sender`, 2026-11-28.)\n"
     assert unheld_figures(named, reference) == []
+    # A scenario of the suite is the reference run's, whatever run a page names.
+    scenario = stale + "\n(`python -m benchmarks --only 12`, 2026-11-28.)\n"
+    assert unheld_figures(scenario, reference) == [("# Containers", "602 ms")]
     assert unheld_figures("# B\n\n(`TORCHSHM_X`, 30 s idle)\n", reference) == []
+    # A column that names its unit holds its plain numbers in that unit.
+    columns = "| case | GB/s torchshm | share() s |\n|---|---|---|\n| a | 14.71 | 0.85 |\n"
+    assert unheld_figures("# C\n\n14.71 GB/s, 0.85 s, 14.71 s\n", columns) == [
+        ("# C", "14.71 s")
+    ]
 
 
 def test_the_api_page_names_every_public_name_once():

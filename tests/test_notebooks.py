@@ -2,6 +2,7 @@
 (scripts/run_notebooks.py), and run again here, at quick sizes, through
 nbclient so that they cannot rot."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,36 @@ def test_notebooks_are_stored_with_their_outputs(path):
     if any("plt." in c.source or ".plot(" in c.source for c in cells):
         images = [o for o in outputs if "image/png" in o.get("data", {})]
         assert images, f"{path.name} plots, but no plot is stored"
+
+
+# A machine's own paths, as a stored output would show them.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:root|home|work|tmp|opt|usr/lib)/")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_stored_outputs_hold_no_stderr_path_or_traceback(path):
+    notebook = nbformat.read(path, as_version=4)
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    stderr = [o for o in outputs if o.get("name") == "stderr"]
+    assert not stderr, f"{path.name}: stored stderr: {stderr[0].get('text', '')[:200]}"
+    for output in outputs:
+        text = output.get("text", "") + "".join(
+            value
+            for key, value in output.get("data", {}).items()
+            if key.startswith("text/")
+        )
+        assert "Traceback" not in text, f"{path.name}: a traceback: {text[:300]}"
+        found = MACHINE_PATH.search(text)
+        where = text[max(0, found.start() - 80) : found.end() + 80] if found else ""
+        assert not found, f"{path.name}: a machine path: {where}"
+
+
+def test_a_planted_path_or_traceback_is_caught():
+    assert MACHINE_PATH.search("see /work/main/.venv/lib/python3.11/x.py")
+    assert MACHINE_PATH.search(
+        'Traceback (most recent call last):\n  File "/root/a.py"'
+    )
+    assert not MACHINE_PATH.search("docs/guide/install.md and 1.2 GB/s")
 
 
 @pytest.mark.timeout(240)

@@ -120,7 +120,10 @@ def run(quick, bar):
                 result.notes.append(f"{method}, {label}: warned {warned}")
             for r in done:
                 if not r.get("completed"):
-                    result.notes.append(f"{method}, {label}: {r.get('error')}")
+                    if completed == 0:  # a failed run, marked in the figure
+                        result.fail(method, label, f"{label}: {r.get('error')}")
+                    else:
+                        result.notes.append(f"{method}, {label}: {r.get('error')}")
                     break
         both = [result.get(method, label) for label in SIZES]
         if all(both):
