@@ -48,12 +48,9 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("page", EXAMPLES)
-def test_the_example_runs_and_prints_what_its_page_says(page, tmp_path):
-    start, printed = EXAMPLES[page]
-    text = (ROOT / page).read_text()
-    example = text[text.index(start) :]
-    code, after = re.search(r"```python\n(.*?)```(.*)", example, re.S).groups()
+def _run_example(code, tmp_path):
+    """Runs a page's example as a user would: a script of its own, in a
+    fresh directory, without this suite's TORCHSHM_* settings."""
     (tmp_path / "example.py").write_text(code)
     run = subprocess.run(
         [sys.executable, "example.py"],
@@ -64,6 +61,16 @@ def test_the_example_runs_and_prints_what_its_page_says(page, tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith("TORCHSHM_")},
     )
     assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.mark.parametrize("page", EXAMPLES)
+def test_the_example_runs_and_prints_what_its_page_says(page, tmp_path):
+    start, printed = EXAMPLES[page]
+    text = (ROOT / page).read_text()
+    example = text[text.index(start) :]
+    code, after = re.search(r"```python\n(.*?)```(.*)", example, re.S).groups()
+    run = _run_example(code, tmp_path)
     assert re.fullmatch(printed + r"\n", run.stdout), run.stdout
     said = re.search(r"it prints `([^`]*)`", " ".join(after.split()))
     assert said and re.fullmatch(
@@ -78,16 +85,7 @@ def test_the_getting_started_counts_print_what_the_page_shows(tmp_path):
     code, shown = re.search(
         r"```python\n(.*?)```.*?```text\n(.*?)```", section, re.S
     ).groups()
-    (tmp_path / "example.py").write_text(code)
-    run = subprocess.run(
-        [sys.executable, "example.py"],
-        capture_output=True,
-        text=True,
-        timeout=2 * TIMEOUT,
-        cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHSHM_")},
-    )
-    assert run.returncode == 0, run.stderr
+    run = _run_example(code, tmp_path)
     assert run.stdout == shown
 
 
@@ -210,7 +208,9 @@ def test_a_stale_figure_is_caught_and_a_named_run_may_quote_its_own():
     assert unheld_figures(scenario, reference) == [("# Containers", "602 ms")]
     assert unheld_figures("# B\n\n(`TORCHSHM_X`, 30 s idle)\n", reference) == []
     # A column that names its unit holds its plain numbers in that unit.
-    columns = "| case | GB/s torchshm | share() s |\n|---|---|---|\n| a | 14.71 | 0.85 |\n"
+    columns = (
+        "| case | GB/s torchshm | share() s |\n|---|---|---|\n| a | 14.71 | 0.85 |\n"
+    )
     assert unheld_figures("# C\n\n14.71 GB/s, 0.85 s, 14.71 s\n", columns) == [
         ("# C", "14.71 s")
     ]
