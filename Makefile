@@ -147,16 +147,22 @@ notebooks: build
 
 # Pins what requirements/pip.txt pulls in, from a scratch venv.
 lock: | deps
+	$(call lock_stack,$(PYTHON),requirements/pip.txt requirements/peers.txt,requirements/pip.txt and peers.txt pull in,requirements/constraints.txt)
+
+# $(call lock_stack,PYTHON,REQUIREMENT FILES,WHAT,OUTPUT): installs the files
+# into a scratch venv of PYTHON and writes what they pull in, pinned, to
+# OUTPUT, less the packages they (and requirements/tools.txt) name themselves.
+define lock_stack
 	rm -rf .venv-lock
-	$(PYTHON) -m venv .venv-lock
-	$(call PIP,.venv-lock/bin/python) install -q -r requirements/pip.txt -r requirements/peers.txt \
-		2>&1 | $(QUIET_PIP)
-	top=$$(cat requirements/pip.txt requirements/tools.txt requirements/peers.txt \
+	$(1) -m venv .venv-lock
+	$(call PIP,.venv-lock/bin/python) install -q $(addprefix -r ,$(2)) 2>&1 | $(QUIET_PIP)
+	top=$$(cat $(2) requirements/tools.txt \
 		| grep -Eo '^[A-Za-z0-9_.][A-Za-z0-9_.-]*' | paste -sd'|'); \
-	{ echo "# What requirements/pip.txt and peers.txt pull in, pinned: written by \`make lock\`."; \
+	{ echo "# What $(3), pinned: written by \`make $@\`."; \
 	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
-	} >requirements/constraints.txt
+	} >$(4)
 	rm -rf .venv-lock
+endef
 
 # The newest lane: `make test-newest`, the stack a new project gets today
 # (requirements/newest.txt: Python 3.13 from pyenv, NumPy 2.5, torch 2.15,
@@ -188,15 +194,7 @@ test-newest: $(NEWEST_VENV)/.torchshm-built
 
 # Pins what requirements/newest.txt pulls in, from a scratch venv of NEWEST_PYTHON.
 lock-newest: | deps
-	rm -rf .venv-lock
-	$(NEWEST_PYTHON) -m venv .venv-lock
-	$(call PIP,.venv-lock/bin/python) install -q -r requirements/newest.txt 2>&1 | $(QUIET_PIP)
-	top=$$(cat requirements/newest.txt requirements/tools.txt \
-		| grep -Eo '^[A-Za-z0-9_.][A-Za-z0-9_.-]*' | paste -sd'|'); \
-	{ echo "# What requirements/newest.txt pulls in, pinned: written by \`make lock-newest\`."; \
-	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
-	} >requirements/constraints-newest.txt
-	rm -rf .venv-lock
+	$(call lock_stack,$(NEWEST_PYTHON),requirements/newest.txt,requirements/newest.txt pulls in,requirements/constraints-newest.txt)
 
 lint:
 	$(call apt_install,$(LINT_DEBS))
