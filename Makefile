@@ -189,8 +189,10 @@ $(NEWEST_VENV)/.torchshm-built: $(SOURCES) $(NEWEST_VENV)/.stack-installed
 		--no-index -e . 2>&1 | $(QUIET_PIP)
 	touch $@
 
+# --lane newest: what Python, NumPy and pandas can change (Note [What each
+# lane runs] in tests/conftest.py); the rest runs on the pip lane's torch.
 test-newest: $(NEWEST_VENV)/.torchshm-built
-	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS)
+	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS) --lane newest
 
 # Pins what requirements/newest.txt pulls in, from a scratch venv of NEWEST_PYTHON.
 lock-newest: | deps

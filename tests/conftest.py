@@ -45,7 +45,57 @@ LEAK_GRACE = 10
 MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 
 
+# Note [What each lane runs]
+# The pip lane (`make test`, the README's) runs every test. The others run
+# what their stack can change (`--lane`, given by the Makefile and
+# scripts/debian_lane.sh), so that .ci/run's seven lanes fit in 70 minutes
+# on a busy 2-core machine:
+# - any_stack: what no version of torch, NumPy, pandas or Python changes
+#   (the docs, notebooks, packaging and tooling, each run on the pip lane's
+#   stack): the pip lane only.
+# - torch_os: what depends on torch and the OS, not on Python's, NumPy's or
+#   pandas' version (torch's tensors, the keeper, faults and limits, handles,
+#   the GPU path): not the newest lane, whose torch is the pip lane's.
+# - The Debian lanes start children by fork and forkserver, not spawn:
+#   forkserver's children unpickle their arguments in a fresh interpreter as
+#   spawn's do (the late registration under test), without each importing
+#   torch again (a third of those lanes' time).
+LANES = {
+    "pip": {"markers": (), "start_methods": START_METHODS},
+    "debian": {"markers": ("any_stack",), "start_methods": ("fork", "forkserver")},
+    "newest": {"markers": ("any_stack", "torch_os"), "start_methods": START_METHODS},
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--lane",
+        choices=sorted(LANES),
+        default="pip",
+        help="deselect what this lane leaves to the pip lane (Note [What each"
+        " lane runs] in tests/conftest.py)",
+    )
+
+
+def _left_to_another_lane(item, lane):
+    if any(item.get_closest_marker(m) for m in lane["markers"]):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    methods = [params.get(k) for k in MULTIPROCESS_FIXTURES if k in params]
+    return any(m in START_METHODS and m not in lane["start_methods"] for m in methods)
+
+
 def add_markers(config):
+    config.addinivalue_line(
+        "markers",
+        "any_stack: the same on every stack; the pip lane only (Note [What each"
+        " lane runs] in tests/conftest.py)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "torch_os: depends on torch and the OS only; not the newest lane (Note"
+        " [What each lane runs] in tests/conftest.py)",
+    )
     config.addinivalue_line(
         "markers",
         "multiprocess: the test starts processes; the no_leaks check applies",
@@ -79,9 +129,16 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(session, config, items):
-    """The sdist test compiles the extension: its build starts now, in the
+    """First what this lane leaves to another (Note [What each lane runs]).
+    The sdist test compiles the extension: its build starts now, in the
     background, and the test runs last, when the build is likely done. Under
     xdist the controller starts it, once, when a worker has collected it."""
+    lane = LANES[config.getoption("--lane")]
+    left = [item for item in items if _left_to_another_lane(item, lane)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        gone = {id(item) for item in left}
+        items[:] = [item for item in items if id(item) not in gone]
     sdist = [item for item in items if item.nodeid.endswith(SDIST_TEST)]
     if sdist and not config.option.collectonly:
         items[:] = [item for item in items if item not in sdist] + sdist

@@ -13,6 +13,10 @@ import pytest
 
 from tests import isolated
 
+# the same on every stack: the pip lane only (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.any_stack
+
 PEER_PACKAGES = ("ray", "grain", "tensordict")
 MISSING = [p for p in PEER_PACKAGES if importlib.util.find_spec(p) is None]
 

@@ -22,6 +22,10 @@ from torchshm import _compat, _config
 from tests import conftest
 from tests.conftest import TIMEOUT
 
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.torch_os
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -23,7 +23,9 @@ from torchshm._cuda import runtime as _runtime
 from torchshm._lifetime import pins as _pins
 from torchshm._native import _C
 
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 BATCH = 4
 BATCHES = 24

@@ -11,7 +11,9 @@ import pytest
 from benchmarks import gpu
 from tests.conftest import ROOT, script
 
-pytestmark = pytest.mark.multiprocess
+# the same on every stack: the pip lane only (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.any_stack]
 
 
 def test_the_arguments():

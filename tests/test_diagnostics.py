@@ -15,6 +15,10 @@ import torchshm
 from torchshm import _config
 from torchshm._native import _C
 
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.torch_os
+
 TIMEOUT = 300
 
 

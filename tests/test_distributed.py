@@ -20,6 +20,10 @@ import pytest
 from tests.test_handles import ROOT, child_env, wait_gone
 from torchshm._tools import doctor as _doctor
 
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.torch_os
+
 # Three ranks: the owner (killed) and two survivors still sharing one copy.
 # The table is big enough to dwarf the pool's own chunks in the PSS sums.
 WORLD = 3

@@ -16,6 +16,10 @@ import pytest
 
 from tests.conftest import TIMEOUT, script
 
+# the same on every stack: the pip lane only (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.any_stack
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"] + sorted(

@@ -18,7 +18,9 @@ from torchshm._compat import int8_tensor_over, untyped_storage
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 F_SETPIPE_SZ = 1031
 IN_FLIGHT = 10_000

@@ -13,7 +13,9 @@ import pytest
 from tests import isolated
 from tests.isolated import NO_UNSHARE
 
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 # /dev/shm with few inodes, in a private mount namespace.
 FEW_INODES = (

@@ -21,7 +21,9 @@ from torchshm._lifetime import session as _session
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NBYTES = 16 << 20

@@ -18,7 +18,9 @@ from tests.conftest import TIMEOUT
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 
 def test_a_consumer_under_ulimit_n_64_keeps_500_arrays(no_leaks, child):

@@ -9,6 +9,10 @@ import pytest
 
 from tests.conftest import script
 
+# the same on every stack: the pip lane only (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.any_stack
+
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 

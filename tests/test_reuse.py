@@ -14,7 +14,9 @@ from torchshm._lifetime import holdings as _holdings
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 
 def roundtrip(obj):

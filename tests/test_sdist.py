@@ -30,6 +30,10 @@ import torch
 
 import torchshm
 
+# the same on every stack: the pip lane only (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.any_stack
+
 REPO = Path(__file__).resolve().parents[1]
 # Build outputs and caches: never part of the sdist.
 IGNORED_DIRS = {

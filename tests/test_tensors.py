@@ -23,7 +23,9 @@ from torchshm._compat import untyped_storage
 from torchshm._native import _C
 from torchshm._send import tensors as _tensors
 
-pytestmark = pytest.mark.multiprocess
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
 
 
 @pytest.fixture

@@ -15,6 +15,10 @@ import torch
 
 import torchshm
 
+# torch and the OS only: not the newest lane (Note [What each lane
+# runs] in tests/conftest.py).
+pytestmark = pytest.mark.torch_os
+
 PACKAGE = os.path.dirname(torchshm.__file__)
 
 
