@@ -29,6 +29,7 @@
 #include "lifetime/views.h"
 #include "send/allocator.h"
 #include "send/message.h"
+#include "send/one_copy.h"
 #include "send/plan.h"
 #include "send/rebuild.h"
 #include "send/snapshots.h"
@@ -162,6 +163,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("open_creator_fds", &torchshm::open_creator_fds);
   m.def("born_blocks", &torchshm::born_blocks,
         "Born blocks alive in this process (Note [Born shared]).");
+  m.def("one_copy_held", &torchshm::one_copy_held,
+        "Arrays whose pages are their snapshot's (Note [One copy of a sent "
+        "array]).");
   m.def("prune_in_flight", &torchshm::prune_in_flight);
   m.def("take_deferred_releases", [] {
     // (segment, slot, holder) of each release waiting for copies (Note

@@ -50,6 +50,10 @@ COUNTERS = (
     # Segments a forked child could not be given a hold on: kept until the
     # session ends instead (Note [Fork] in _lifetime/lifecycle.py).
     "segments_pinned_at_fork",
+    # Bytes of sent arrays whose pages became their snapshot's: the sender
+    # keeps no second copy (Note [One copy of a sent array] in
+    # csrc/send/one_copy.h).
+    "bytes_one_copy",
 )
 if tuple(_C.COUNTER_NAMES) != COUNTERS:  # csrc/base/stats.h keeps the same order
     raise ImportError(
@@ -86,7 +90,9 @@ def stats() -> Dict[str, Any]:
     ``allocations_shared`` and ``allocations_fallback`` (`allocating`),
     ``storages_moved``, ``storages_sent`` and ``storages_copied`` (torch
     tensors), ``pool_gave_way``, ``fork_waits_timed_out``,
-    ``segments_pinned_at_fork``, and ``fallbacks``: a dict
+    ``segments_pinned_at_fork``, ``bytes_one_copy`` (bytes of sent arrays
+    whose pages became their snapshot's: one copy in memory), and
+    ``fallbacks``: a dict
     {reason: count} of the times shared memory was not used (e.g.
     ``"out of memory"``).
 

@@ -22,7 +22,9 @@ class SegmentPool;
 // compacted. Copies from `pack_limit` up get a segment of their own; smaller
 // ones share the message's chunk, which grows from `chunk_start` to
 // `chunk_max`, each copy aligned to `alignment`; large copies are split over
-// `copy_threads`. FIELD(type, name, lowest valid value).
+// `copy_threads`. A copy of a whole allocation from `one_copy_min` up
+// becomes its owner's memory too (0: never; Note [One copy of a sent array]
+// in send/one_copy.h). FIELD(type, name, lowest valid value).
 #define TORCHSHM_SENDER_POLICY(FIELD) \
   FIELD(int64_t, threshold, 0)        \
   FIELD(int64_t, pack_min, 0)         \
@@ -31,7 +33,8 @@ class SegmentPool;
   FIELD(int64_t, chunk_start, 1)      \
   FIELD(int64_t, chunk_max, 1)        \
   FIELD(int64_t, alignment, 1)        \
-  FIELD(int, copy_threads, 1)
+  FIELD(int, copy_threads, 1)         \
+  FIELD(int64_t, one_copy_min, 0)
 
 struct SenderPolicy {
 #define TORCHSHM_DECLARE(type, name, lowest) type name;

@@ -12,6 +12,7 @@ const char* const kCounterNames[kCounterCount] = {
     "fork_waits_timed_out",    "snapshots_resent",   "arrays_copied_on_receive",
     "private_mappings_walked", "storages_moved",     "storages_sent",
     "pool_gave_way",           "storages_copied",    "segments_pinned_at_fork",
+    "bytes_one_copy",
 };
 
 }  // namespace torchshm

@@ -30,6 +30,7 @@ enum Counter : int {
   kPoolGaveWay,
   kStoragesCopied,
   kSegmentsPinnedAtFork,
+  kBytesOneCopy,
   kCounterCount,
 };
 

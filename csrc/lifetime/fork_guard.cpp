@@ -22,6 +22,7 @@ struct Guard {
 };
 
 std::atomic<uint64_t> epoch{0};
+std::atomic<uint64_t> unprepared{0};
 
 void advise_all(Guard& g, int advice) {
   for (const auto& [p, n] : g.mappings) ::madvise(p, n, advice);
@@ -38,7 +39,10 @@ void before_fork() {
 
 void in_parent() {
   Guard& g = guard();
-  if (g.inheriting) advise_all(g, MADV_DONTFORK);
+  if (g.inheriting)
+    advise_all(g, MADV_DONTFORK);
+  else
+    unprepared.fetch_add(1);
   g.prepared = g.inheriting = false;
   g.mutex.unlock();
 }
@@ -83,7 +87,10 @@ void unmap_tracked(void* p, size_t n) {
   ::munmap(p, n);
 }
 
-bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset) {
+namespace {
+
+bool remap(void* p, size_t n, int flags, int fd, int64_t offset,
+           bool dontfork) {
   // Mapped elsewhere first, then moved over the old range in one call: a
   // failure leaves the old mapping where it was (MAP_FIXED over it would
   // have removed it first).
@@ -97,9 +104,21 @@ bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset) {
     ::munmap(fresh, n);
     return false;
   }
-  ::madvise(p, n, MADV_DONTFORK);
+  if (dontfork) ::madvise(p, n, MADV_DONTFORK);
   return true;
 }
+
+}  // namespace
+
+bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset) {
+  return remap(p, n, flags, fd, offset, /*dontfork=*/true);
+}
+
+bool remap_untracked(void* p, size_t n, int fd, int64_t offset) {
+  return remap(p, n, MAP_PRIVATE, fd, offset, /*dontfork=*/false);
+}
+
+uint64_t unprepared_forks() { return unprepared.load(); }
 
 void prepared_fork() {
   Guard& g = guard();

@@ -39,6 +39,14 @@ void unmap_tracked(void* p, size_t n);
 // `fd` at `offset` with `flags` (MAP_SHARED or MAP_PRIVATE), DONTFORK as the
 // rest; false, with the old mapping intact, where it cannot.
 bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset);
+// Replaces [p, p + n), memory that is not torchshm's (a sent array's pages:
+// Note [One copy of a sent array] in send/one_copy.h), by a private
+// read-write mapping of `fd` at `offset`, inherited by every fork and not
+// tracked; false, with the old memory intact, where it cannot.
+bool remap_untracked(void* p, size_t n, int fd, int64_t offset);
+// How many forks this process made that torchshm did not prepare (a fork
+// from C): their children hold no slot in anything.
+uint64_t unprepared_forks();
 // Called by the fork hook of the thread about to fork, once the child's
 // holds are taken: that fork's child inherits every mapping.
 void prepared_fork();

@@ -247,6 +247,9 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // no local view but the caller's `own_views` is alive and it is not
   // pinned; then bumps the generation.
   bool reserve_for_reuse(int own_slot, int64_t own_views = 0);
+  // Never reused from now on: a child of a fork torchshm did not prepare
+  // may map it with no slot (Note [One copy of a sent array]).
+  void retire() { retired_.store(true); }
   // Whether a slot holds a ticket the keeper has not found dead: a message
   // naming the segment that may still be read.
   bool has_ticket_in_flight() const;
@@ -291,6 +294,11 @@ class Segment : public std::enable_shared_from_this<Segment> {
   bool frozen_written(int64_t lo, int64_t hi);
   // Maps the data shared again (the pool reuses it); false if it cannot.
   bool thaw_data();
+  // Maps data bytes [at, at + n) privately (copy-on-write) over [p, p + n),
+  // memory that is not torchshm's, from this process's fd: the pages of an
+  // array whose snapshot this is (Note [One copy of a sent array] in
+  // send/one_copy.h). `p` and `at` page-aligned; false where it cannot.
+  bool map_data_over(void* p, int64_t at, int64_t n);
   // A private mapping of the data for one view, with no page written:
   // the idle one, or a new one from this process's fd; nullptr if neither
   // (see the Note). give_back_private() takes it back when the view dies.
@@ -373,6 +381,7 @@ class Segment : public std::enable_shared_from_this<Segment> {
   std::shared_ptr<SessionTable> table_;  // guarded by std::atomic_load/store
   std::atomic<int64_t> views_{0};
   std::atomic<bool> defers_releases_{false};
+  std::atomic<bool> retired_{false};
   std::atomic<uint8_t*> idle_private_{nullptr};  // set under mappings_mutex_
   bool idle_written_ = false;  // of idle_private_: the mutex's
   // A private mapping a thread of process walking_pid_ walks for written

@@ -151,7 +151,8 @@ bool Segment::has_ticket_in_flight() const {
 }
 
 bool Segment::reserve_for_reuse(int own_slot, int64_t own_views) {
-  if (views_.load() != own_views || pinned() || has_live_holder(own_slot))
+  if (retired_.load() || views_.load() != own_views || pinned() ||
+      has_live_holder(own_slot))
     return false;
   // A frozen creator's mapping is shared again before anyone writes the
   // next generation (Note [A born array is sent as it was]).

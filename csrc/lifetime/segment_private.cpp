@@ -71,6 +71,13 @@ bool Segment::thaw_data() {
   return true;
 }
 
+bool Segment::map_data_over(void* p, int64_t at, int64_t n) {
+  const int fd = fd_.load();
+  if (fd < 0 || lost() || at < 0 || n <= 0 || at + n > capacity_) return false;
+  return remap_untracked(p, static_cast<size_t>(n), fd,
+                         static_cast<int64_t>(kHeaderBytes) + at);
+}
+
 uint8_t* Segment::map_private(int fd) const {
   const size_t n = mapped_bytes_ - kHeaderBytes;
   void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd,

@@ -15,6 +15,7 @@
 #include "lifetime/segment.h"
 #include "lifetime/views.h"
 #include "send/allocator.h"
+#include "send/one_copy.h"
 #include "send/snapshots.h"
 
 namespace torchshm {
@@ -238,7 +239,12 @@ Placement Plan::copy_view(PyArrayObject* array,
                        nearest};
     }
   }
-  auto [target, at] = reserve(n);
+  // Note [One copy of a sent array] in one_copy.h: a segment of its own,
+  // its pages lined up with the array's.
+  const int64_t page_at =
+      sharing ? -1 : one_copy_offset(root, nearest, start + lo, n);
+  auto [target, at] =
+      page_at < 0 ? reserve(n) : std::pair{allocate(n + page_at), page_at};
   const auto* src = reinterpret_cast<const uint8_t*>(start + lo);
   {
     // The caller's reference keeps `array` (and so its base chain) alive.
@@ -247,6 +253,8 @@ Placement Plan::copy_view(PyArrayObject* array,
   }
   count(kArraysShared);
   count(kBytesCopied, n);
+  if (page_at >= 0)
+    adopt_pages(nearest, target.owner, target.segment, at, start + lo, n);
   if (remembered)
     snapshots().remember(key, start + lo, start + hi, target.segment, at);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
@@ -300,24 +308,25 @@ Plan::Target Plan::target_of(const py::object& owner) {
                 static_cast<uint8_t*>(tensor.data_ptr()), tensor.numel()};
 }
 
+Plan::Target Plan::allocate(int64_t n) {
+  py::object owner = take_pooled(n);
+  if (owner.is_none()) {
+    py::int_ wanted(n);
+    owner = py::reinterpret_steal<py::object>(
+        call_hook(config().hooks.allocate, wanted.ptr()));
+    if (!owner) throw py::error_already_set();
+  }
+  Target t = target_of(owner);
+  TORCH_CHECK(t.segment != nullptr && t.size >= n,
+              "expected allocate() to return a segment tensor of at least ", n,
+              " bytes");
+  // Before any message names it (Note [Snapshots are mapped privately]).
+  if (!sharing) t.segment->mark_snapshot();
+  return t;
+}
+
 std::pair<Plan::Target, int64_t> Plan::reserve(int64_t nbytes) {
   const SenderPolicy& p = config().policy;
-  auto allocate = [](int64_t n) {
-    py::object owner = take_pooled(n);
-    if (owner.is_none()) {
-      py::int_ wanted(n);
-      owner = py::reinterpret_steal<py::object>(
-          call_hook(config().hooks.allocate, wanted.ptr()));
-      if (!owner) throw py::error_already_set();
-    }
-    Target t = target_of(owner);
-    TORCH_CHECK(t.segment != nullptr && t.size >= n,
-                "expected allocate() to return a segment tensor of at least ",
-                n, " bytes");
-    // Before any message names it (Note [Snapshots are mapped privately]).
-    if (!sharing) t.segment->mark_snapshot();
-    return t;
-  };
   if (nbytes >= p.pack_limit) return {allocate(nbytes), 0};
   if (!chunk_.owner || chunk_used_ + nbytes > chunk_.size) {
     const int64_t size =

@@ -32,7 +32,9 @@ namespace torchshm {
 //   while it is armed (Note [Segment pool] in pool.h), else from Python's
 //   allocate hook, both only when a chunk is full. The copy runs with the
 //   GIL released (or compacts a sparse view), by pwrite into a fresh
-//   segment (Segment::fill). Every such segment is a snapshot (Note
+//   segment (Segment::fill); a large array alone in its memory then maps
+//   its pages over its copy (Note [One copy of a sent array] in
+//   one_copy.h). Every such segment is a snapshot (Note
 //   [Snapshots are mapped privately] in segment.h); a copy with a segment
 //   of its own that an earlier message made of the same unchanged bytes is
 //   not made again (Note [Resending an unchanged array] in snapshots.h).
@@ -91,6 +93,8 @@ class Plan {
   Placement copy_compacted(PyArrayObject* array);
   // A target and offset for nbytes: the chunk, or a segment of its own.
   std::pair<Target, int64_t> reserve(int64_t nbytes);
+  // A segment of its own for n bytes: the pool's, or Python's allocate.
+  static Target allocate(int64_t n);
 
   std::unordered_map<PyObject*, Root> roots_;
   Target chunk_;

@@ -49,6 +49,12 @@ PACK_LIMIT = 16 << 20
 # over benchmarks.transports, same day). Smaller arrays never count: at 512 B
 # inline was as fast as packing (6.4-7.8 against 8.4-12.5 ms).
 PACK_MIN = 1 << 10
+# A sent array from ONE_COPY_MIN bytes up, alone in its malloc()'d memory,
+# keeps one copy in memory: its pages become the snapshot's (Note [One copy
+# of a sent array] in csrc/send/one_copy.h). From NumPy's own threshold for
+# huge pages; below it an array is rarely in memory of its own (glibc's
+# mmap threshold grows to the size of the largest freed block).
+ONE_COPY_MIN = 4 << 20
 CHUNK_START = 1 << 20
 CHUNK_MAX = 64 << 20
 ALIGNMENT = 64
@@ -132,6 +138,7 @@ def policy():
         chunk_max=CHUNK_MAX,
         alignment=ALIGNMENT,
         copy_threads=_config.copy_threads(),
+        one_copy_min=ONE_COPY_MIN,
     )
 
 

@@ -1,0 +1,161 @@
+// One copy of a sent array (Note [One copy of a sent array] in one_copy.h).
+#include "send/one_copy.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <unordered_map>
+
+#include "base/config.h"
+#include "base/stats.h"
+#include "lifetime/fork_guard.h"
+#include "lifetime/live.h"
+#include "send/allocator.h"
+
+namespace torchshm {
+namespace {
+
+// Arrays holding a snapshot at once; past it, copies as before (each costs
+// a mapping and up to two more VMAs, against vm.max_map_count's 65530).
+constexpr int64_t kMaxHeld = 4096;
+
+// glibc's chunk header, just below the pointer malloc returned: the size
+// word's IS_MMAPPED bit, and the leading gap an aligned chunk records.
+constexpr size_t kIsMmapped = 0x2;
+constexpr size_t kSizeBits = 0x7;
+
+int64_t page_size() {
+  static const int64_t page = ::sysconf(_SC_PAGESIZE);
+  return page;
+}
+
+// Whether malloc and free are glibc's (no allocator preloaded over them).
+bool glibc_malloc() {
+  static const bool yes = [] {
+    void* libc = ::dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+    if (libc == nullptr) return false;
+    const bool same =
+        ::dlsym(RTLD_DEFAULT, "malloc") == ::dlsym(libc, "malloc") &&
+        ::dlsym(RTLD_DEFAULT, "free") == ::dlsym(libc, "free");
+    ::dlclose(libc);
+    return same;
+  }();
+  return yes;
+}
+
+// Whether NumPy's default handler (malloc, calloc, free) made the array's
+// data: directly, or as a born handler's fallback.
+bool default_handler(PyArrayObject* array) {
+  PyObject* capsule = PyArray_HANDLER(array);
+  if (capsule == nullptr) return false;
+  py::object fallback = born_fallback(capsule);
+  if (!fallback.is_none()) capsule = fallback.ptr();
+  auto* handler = static_cast<PyDataMem_Handler*>(
+      PyCapsule_GetPointer(capsule, "mem_handler"));
+  if (handler == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return std::strcmp(handler->name, "default_allocator") == 0;
+}
+
+// The end of the glibc mmap()ed chunk that `data` (a pointer malloc
+// returned) starts, or 0 if it is not one.
+int64_t mmapped_chunk_end(const void* data) {
+  const auto* words = static_cast<const size_t*>(data);
+  const size_t size = words[-1];
+  if (!(size & kIsMmapped)) return 0;
+  const size_t gap = words[-2];  // before the chunk, for an aligned one
+  const int64_t chunk = reinterpret_cast<int64_t>(data) - 2 * sizeof(size_t);
+  const int64_t start = chunk - static_cast<int64_t>(gap);
+  const int64_t bytes = static_cast<int64_t>((size & ~kSizeBits) + gap);
+  // A mapping is whole pages: anything else is not glibc's header.
+  if (start % page_size() != 0 || bytes % page_size() != 0) return 0;
+  return chunk + static_cast<int64_t>(size & ~kSizeBits);
+}
+
+struct Held {
+  py::object weak;  // to the array; its callback lets go
+  py::object view;  // the segment's first view: no reuse while held
+  std::shared_ptr<Segment> segment;
+  uint64_t forks;  // unprepared_forks() when it began
+};
+
+// By array; never destroyed (callbacks may run during shutdown). The GIL
+// guards it: every entry point holds it.
+std::unordered_map<PyObject*, Held>& held() {
+  static auto* table = new std::unordered_map<PyObject*, Held>();
+  return *table;
+}
+
+void let_go(Held& entry) {
+  // A fork from C while it was held left a child mapping it, slotless.
+  if (unprepared_forks() != entry.forks) entry.segment->retire();
+}
+
+}  // namespace
+
+int64_t one_copy_offset(py::handle root, PyArrayObject* nearest, int64_t src,
+                        int64_t n) {
+  const int64_t min = config().policy.one_copy_min;
+  if (min <= 0 || n < min || root || PyArray_BASE(nearest) != nullptr ||
+      !(PyArray_FLAGS(nearest) & NPY_ARRAY_OWNDATA))
+    return -1;
+  if (static_cast<int64_t>(held().size()) >= kMaxHeld &&
+      held().count(reinterpret_cast<PyObject*>(nearest)) == 0)
+    return -1;
+  const void* data = PyArray_DATA(nearest);
+  if (!glibc_malloc() || !default_handler(nearest)) return -1;
+  const int64_t end = mmapped_chunk_end(data);
+  const int64_t begin = reinterpret_cast<int64_t>(data);
+  const int64_t page = page_size();
+  const int64_t first = (src + page - 1) / page * page;
+  // The whole allocation, so that each adoption maps every whole page of
+  // it and the previous snapshot holds none of them any more.
+  if (end == 0 || src != begin || n < PyArray_NBYTES(nearest) ||
+      src + n > end || first + page > src + n)
+    return -1;
+  return src % page;
+}
+
+void adopt_pages(PyArrayObject* nearest, const py::object& view,
+                 const std::shared_ptr<Segment>& segment, int64_t at,
+                 int64_t src, int64_t n) {
+  const int64_t page = page_size();
+  const int64_t first = (src + page - 1) / page * page;
+  const int64_t last = (src + n) / page * page;
+  if (segment == nullptr || last <= first) return;
+  auto* key = reinterpret_cast<PyObject*>(nearest);
+  auto& table = held();
+  auto found = table.find(key);
+  py::object weak;
+  if (found == table.end()) {
+    py::cpp_function callback([key](py::handle) {
+      auto& entries = held();
+      auto it = entries.find(key);
+      if (it == entries.end()) return;
+      Held gone = std::move(it->second);
+      entries.erase(it);
+      let_go(gone);
+    });
+    weak = weak_ref(key, callback);
+  }
+  if (!segment->map_data_over(reinterpret_cast<void*>(first),
+                              at + (first - src), last - first))
+    return;
+  count(kBytesOneCopy, last - first);
+  if (found != table.end()) {
+    // Its pages left the earlier snapshot: let go of that one.
+    Held previous = std::exchange(
+        found->second,
+        Held{found->second.weak, view, segment, unprepared_forks()});
+    let_go(previous);
+    return;
+  }
+  table.emplace(key, Held{std::move(weak), view, segment, unprepared_forks()});
+}
+
+int64_t one_copy_held() { return static_cast<int64_t>(held().size()); }
+
+}  // namespace torchshm
