@@ -23,7 +23,10 @@ receiver has moved on and its memory may be reused, of what it inherited.
 In a quarter of the rounds (`--set late_threads=true`: all) senders send
 and receivers read, hold and check in a non-daemon thread that their
 process's target leaves running, so that multiprocessing's exit
-finalizers, torchshm's among them, run while they work.
+finalizers, torchshm's among them, run while they work. In a quarter
+(`--set one_copy=true`: all) senders send arrays of 4-40 MiB, whose pages
+become their snapshot's, and write over them after each send that returns
+once the message is written: no receiver may see those writes.
 Each round runs in a driver process (`--driver`) that imports
 torchshm and so founds a session of its own; this top-level process never
 imports torchshm, so that once the drivers are gone nothing of the soak
@@ -108,6 +111,9 @@ SCRIPT = os.path.abspath(__file__)
 SHM_DIR = "/dev/shm"
 KINDS = ("pipe", "socket", "simplequeue", "queue")
 MAX_MESSAGES = 4000  # per sender and round: sizes the shared bookkeeping
+# A one-copy round's array sizes (Note [One copy of a sent array]).
+ONE_COPY_BYTES = (4 << 20, 40 << 20)
+ONE_COPY_DEPTH = 8  # ...and at most this many of a sender's unread
 QUEUE_DEPTH = 16  # bounds what a Queue sender pins while its receiver stalls
 REJOIN_GRACE = 3.0
 STARTUP_SECONDS = 120.0  # spawn children import torch on a busy 2-core machine
@@ -140,13 +146,14 @@ def pattern(sender, seq, part, n):
     return np.arange(n, dtype=np.uint32) * np.uint32(2_654_435_761) + np.uint32(base)
 
 
-def message_spec(rng, max_bytes):
+def message_spec(rng, max_bytes, min_bytes=1 << 10):
     """Sizes (in uint32 items) of the two arrays and the layout of the second:
     log-uniform from 1 KiB, so that both sides of the inline threshold
     (256 KiB) are exercised."""
 
     def items():
-        return max(256, int(2 ** rng.uniform(10, np.log2(max_bytes))) // 4)
+        low, high = np.log2(min_bytes), np.log2(max_bytes)
+        return max(256, int(2 ** rng.uniform(low, high)) // 4)
 
     return (items(), items() // 2 * 2, rng.random() < 0.3)
 
@@ -352,9 +359,16 @@ def send_each(cfg, s, channel, shared):
             break
         if now < started + seq * interval:
             time.sleep(started + seq * interval - now)
-        spec = message_spec(rng, cfg["max_bytes"])
+        if cfg["one_copy"]:
+            if not backlog_read(shared, s, seq, owner, deadline):
+                break
+            spec = message_spec(rng, ONE_COPY_BYTES[1], ONE_COPY_BYTES[0])
+        else:
+            spec = message_spec(rng, cfg["max_bytes"])
         arrays = make_arrays(s, seq, spec)
         message = (s, seq, spec, as_tensors(arrays) if cfg["tensors"] else arrays)
+        # Written over once sent, where the send returns after the write.
+        scribble = arrays if overwrites(cfg, channel) else ()
         del arrays
         shared.begun[s * MAX_MESSAGES + seq] = time.monotonic()
         try:
@@ -365,7 +379,9 @@ def send_each(cfg, s, channel, shared):
         sent = shared.handed[s] = seq + 1
         if channel.kind != "queue":
             shared.confirmed[s] = sent
-        del message
+        for a in scribble[:2]:  # the third is a view of the first
+            np.invert(a, out=a)
+        del message, scribble
         if cfg["pause"]:
             time.sleep(rng.uniform(0, cfg["pause"]))
     if channel.kind == "queue":
@@ -377,6 +393,28 @@ def send_each(cfg, s, channel, shared):
     if cfg["abrupt_exit"][s] and channel.kind != "queue":
         # "A sender may exit right after sending": no finalizers at all.
         vanish(shared, s)
+
+
+def backlog_read(shared, s, seq, owner, deadline):
+    """Waits until at most ONE_COPY_DEPTH of this sender's messages are
+    unread (a one-copy round's are up to 40 MiB each); False if the round
+    ends or the receiver died first."""
+    if seq < ONE_COPY_DEPTH:
+        return True
+    cell = s * MAX_MESSAGES + seq - ONE_COPY_DEPTH
+    while shared.status[cell] == UNSEEN:
+        if time.monotonic() > deadline or shared.receiver_dead[owner]:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def overwrites(cfg, channel):
+    """Whether a sender writes over its arrays after each send: in a
+    one-copy round, where the send returns once the message is written (a
+    Queue's feeder thread pickles later) and the arrays are NumPy's (torch's
+    tensors are moved into shared memory, so a write is the receiver's too)."""
+    return cfg["one_copy"] and channel.kind != "queue" and not cfg["tensors"]
 
 
 def vanish(shared, s):
@@ -1102,6 +1140,10 @@ def round_config(rng, index, send_seconds, hang_seconds):
         # Senders send and receivers read, hold and check in a non-daemon
         # thread that outlives the process's target.
         "late_threads": rng.random() < 0.25,
+        # Senders send arrays of 4-40 MiB (their pages become the snapshot's:
+        # Note [One copy of a sent array] in csrc/send/one_copy.h) and write
+        # over them after each send that returns once written.
+        "one_copy": rng.random() < 0.25,
     }
 
 
@@ -1120,6 +1162,8 @@ def describe(cfg):
         what += f", an inspector forked every {cfg['inspect_every']}"
     if cfg["late_threads"]:
         what += ", in threads that outlive their targets"
+    if cfg["one_copy"]:
+        what += ", 4-40 MiB one-copy arrays written over after the send"
     return (
         f"{cfg['method']}, {what}, pool {pool}{idle}, nofile {nofile}, "
         f"{len(cfg['kinds'])} senders ({','.join(cfg['kinds'])}) -> "

@@ -1,9 +1,9 @@
 // One copy of a sent array (Note [One copy of a sent array] in one_copy.h).
 #include "send/one_copy.h"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -30,20 +30,6 @@ int64_t page_size() {
   return page;
 }
 
-// Whether malloc and free are glibc's (no allocator preloaded over them).
-bool glibc_malloc() {
-  static const bool yes = [] {
-    void* libc = ::dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
-    if (libc == nullptr) return false;
-    const bool same =
-        ::dlsym(RTLD_DEFAULT, "malloc") == ::dlsym(libc, "malloc") &&
-        ::dlsym(RTLD_DEFAULT, "free") == ::dlsym(libc, "free");
-    ::dlclose(libc);
-    return same;
-  }();
-  return yes;
-}
-
 // Whether NumPy's default handler (malloc, calloc, free) made the array's
 // data: directly, or as a born handler's fallback.
 bool default_handler(PyArrayObject* array) {
@@ -61,8 +47,11 @@ bool default_handler(PyArrayObject* array) {
 }
 
 // The end of the glibc mmap()ed chunk that `data` (a pointer malloc
-// returned) starts, or 0 if it is not one.
+// returned) starts, or 0 if it is not one. Such a chunk starts a mapping and
+// its header fills the first two words: nothing is read outside the page.
 int64_t mmapped_chunk_end(const void* data) {
+  constexpr int64_t kHeader = 2 * sizeof(size_t);
+  if (reinterpret_cast<int64_t>(data) % page_size() != kHeader) return 0;
   const auto* words = static_cast<const size_t*>(data);
   const size_t size = words[-1];
   if (!(size & kIsMmapped)) return 0;
@@ -73,6 +62,23 @@ int64_t mmapped_chunk_end(const void* data) {
   // A mapping is whole pages: anything else is not glibc's header.
   if (start % page_size() != 0 || bytes % page_size() != 0) return 0;
   return chunk + static_cast<int64_t>(size & ~kSizeBits);
+}
+
+// Whether malloc is glibc's (not a preloaded jemalloc or tcmalloc): a block
+// above glibc's largest mmap threshold (32 MiB) is an mmap()ed chunk of its
+// own, with its header. dlsym cannot tell: in a non-PIE executable (Debian's
+// python3) malloc's address is the executable's canonical PLT entry.
+bool glibc_malloc() {
+  static const bool yes = [] {
+    constexpr size_t kProbe = 64 << 20;  // freed, it moves no threshold
+    void* (*volatile allocate)(size_t) = std::malloc;  // not elided
+    void* p = allocate(kProbe);
+    if (p == nullptr) return false;
+    const int64_t end = mmapped_chunk_end(p);
+    std::free(p);
+    return end >= reinterpret_cast<int64_t>(p) + static_cast<int64_t>(kProbe);
+  }();
+  return yes;
 }
 
 struct Held {

@@ -17,9 +17,10 @@
 // - an ndarray that owns its data (no base) from NumPy's default handler
 //   (or the born handler's fallback to it: a declined allocation), whose
 //   whole allocation was copied;
-// - malloc is glibc's (not a preloaded jemalloc or tcmalloc) and the block
-//   is one of its mmap()ed chunks (the chunk header says so: large blocks,
-//   from glibc's mmap threshold up): free() unmaps the whole chunk, so the
+// - malloc is glibc's (not a preloaded jemalloc or tcmalloc: a probe of a
+//   64 MiB block finds glibc's chunk header) and the block is one of its
+//   mmap()ed chunks (its header says so: large blocks, from glibc's mmap
+//   threshold up): free() unmaps the whole chunk, so the
 //   mapping dies with the array, and realloc() of a chunk that is no longer
 //   one mapping fails over to malloc + copy + unmap (NumPy refuses resize()
 //   of an array with a weak reference, which this keeps, unless told
