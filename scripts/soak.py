@@ -52,8 +52,11 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   segment lived until the load was tried.
 - lost after every holder died: its receiver was killed (nobody else reads
   its channel); or its sender exited (a slow receiver often still has
-  messages to read then; torchshm's exit hook hands them to a live keeper)
-  and then a keeper was killed, before the receiver tried to load it; or
+  messages to read then; torchshm's exit hook hands them to a keeper it
+  sees alive, last thing before its fds close: Note [Handing over at exit])
+  and a keeper that was still there at that look was killed before the
+  receiver tried to load it (gone: its fds closed, as the driver saw after
+  the SIGKILL; until then no member can tell); or
   its sender died without that hook (SIGKILL, os._exit) and a keeper was
   killed too, both before the receiver tried (a creator registers its
   segments again with a new keeper within a second or so; a sender gone
@@ -333,7 +336,10 @@ def send_messages(cfg, s, channel, shared):
     from multiprocessing import util
 
     def exited():
-        shared.exited[s] = time.monotonic()
+        # When torchshm's exit hook last saw its keeper, if it looked.
+        from torchshm._lifetime import lifecycle
+
+        shared.exited[s] = lifecycle.handed_over_at or time.monotonic()
 
     try:
         send_each(cfg, s, channel, shared)
@@ -740,6 +746,22 @@ def _signal(pid, sig):
         return False
 
 
+def _fds_closed_after_kill(pid, limit=5.0):
+    """When a process just sent SIGKILL had closed its fds (a zombie, or
+    reaped), as this process saw it: from then on its peers read EOF."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.001)
+    return time.monotonic()
+
+
 def fault_schedule(rng, cfg):
     """(seconds after the senders started, fault) pairs."""
     window = cfg["send_seconds"]
@@ -883,8 +905,9 @@ def driver(cfg):
             pid = rng.choice(pids)
             what = f"keeper {pid}"
             if fault == "keeper_kill":
-                keeper_kills.append(time.monotonic())
+                killed = time.monotonic()
                 _signal(pid, signal.SIGKILL)
+                keeper_kills.append((killed, _fds_closed_after_kill(pid)))
                 return f"SIGKILL {what}"
         else:  # "stop": a sender or a receiver
             targets = [(f"sender {s}", senders[s].pid) for s in live_senders] + [
@@ -1056,11 +1079,12 @@ def tally(cfg, shared, killed_senders, gone_senders, killed_receivers, keeper_ki
         index = s * MAX_MESSAGES + seq
         begun, exited = shared.begun[index], shared.exited[s]
         tried = shared.tried[index] or float("inf")  # never arrived: not tried
-        if exited:
-            return any(exited < k < tried for k in keeper_kills)
+        if exited:  # its exit hook's last look at its keeper
+            return any(exited < gone and k < tried for k, gone in keeper_kills)
         death = shared.vanishing[s] or gone_senders[s]
         return death < tried and any(
-            begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE for k in keeper_kills
+            begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE
+            for k, _gone in keeper_kills
         )
 
     for s in range(len(cfg["kinds"])):

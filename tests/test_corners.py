@@ -173,30 +173,47 @@ def test_messages_past_a_quarter_of_a_low_soft_fd_limit_survive_the_keepers_sigk
     assert result["soft"] > 256  # raised towards the hard limit, as needed
 
 
-SENDER_EXITS_AFTER_KEEPER_KILL = """
-# A sender's messages wait in a pipe; the keeper is SIGKILLed and the sender
-# exits at once, before its once-a-second check would have joined a new
-# keeper: its exit must hand its segments to one, or they die with it.
+SENDER_EXITS_AS_THE_KEEPER_DIES = """
+# A sender's messages wait in a pipe and the sender exits; the keeper is
+# SIGKILLed just before (`before`: the sender has not joined a new keeper
+# yet, as its once-a-second check would) or inside the sender's exit hook,
+# once the hook has let go of its pool (`during`: after a first look at its
+# keeper, as a hook that looks first would). The hook's last look, right
+# before its fds close, must see the death and hand the messages to a new
+# keeper (Note [Handing over at exit] in torchshm/_lifetime/lifecycle.py).
 import multiprocessing as mp
 N = 8
 
-def send(conn, bye):
+def send(conn, bye, when):
+    if when == "during":
+        from torchshm._lifetime import segments
+
+        let_go = segments.disown_all
+
+        def let_go_then_kill_the_keeper():
+            let_go()
+            kill_keeper()
+
+        segments.disown_all = let_go_then_kill_the_keeper
     for i in range(N):
         conn.send((i, np.full(1 << 17, i, dtype=np.float64)))
     bye.recv()  # then exits at once
 
 if __name__ == "__main__":
     ctx = mp.get_context(sys.argv[1])
+    when = sys.argv[2]
     reader, writer = ctx.Pipe(duplex=False)
     bye_reader, bye_writer = ctx.Pipe(duplex=False)
     _session.join()
-    child = ctx.Process(target=send, args=(writer, bye_reader))
+    child = ctx.Process(target=send, args=(writer, bye_reader, when))
     child.start()
     writer.close()
     while not reader.poll(0.05) and child.exitcode is None:
         pass
     time.sleep(0.5)  # the N writes: a few microseconds each
-    kill_keeper()
+    old = _session.keeper_pid()
+    if when == "before":
+        kill_keeper()
     bye_writer.send(None)
     child.join(60)
     loaded = []
@@ -206,16 +223,22 @@ if __name__ == "__main__":
             loaded.append(bool((a == i).all()))
         except Exception as exc:
             loaded.append(repr(exc)[:200])
-    report(loaded=loaded, exitcode=child.exitcode)
+    try:
+        state = open(f"/proc/{old}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    report(loaded=loaded, exitcode=child.exitcode, keeper_killed=state in ("Z", "gone"))
 """
 
 
+@pytest.mark.parametrize("when", ["before", "during"])
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_a_sender_exiting_right_after_the_keepers_sigkill_hands_on_its_messages(
-    method,
+def test_a_keeper_killed_as_its_sender_exits_is_replaced_before_the_senders_fds_close(
+    method, when
 ):
-    result = only(*run_script(SENDER_EXITS_AFTER_KEEPER_KILL, method, timeout=180))
-    assert result == {"loaded": [True] * 8, "exitcode": 0}
+    run = run_script(SENDER_EXITS_AS_THE_KEEPER_DIES, method, when, timeout=180)
+    result = only(*run)
+    assert result == {"loaded": [True] * 8, "exitcode": 0, "keeper_killed": True}
 
 
 KEEPER_DIES_AT_JOIN = """

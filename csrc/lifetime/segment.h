@@ -76,6 +76,9 @@
 // What each death leaves, and for how long:
 // - A process that exits (multiprocessing's os._exit included) releases its
 //   slots in an exit finalizer and removes its lock file: nothing is left.
+//   A creator's fds close last, once it has seen a live keeper that has
+//   every segment they keep (Note [Handing over at exit] in
+//   torchshm/_lifetime/lifecycle.py).
 // - A process killed by SIGKILL (or that skips finalizers) leaves slots
 //   naming a dead id: the pool looks past them (once a second at most), and
 //   the keeper, which sees the process's connection close, looks at every

@@ -188,6 +188,20 @@ def _at_exit():
 
 # How long the exit hook waits for other threads' messages under way.
 _MESSAGES_AT_EXIT_SECONDS = 2.0
+# Note [Handing over at exit]
+# What this process sent and nobody has loaded yet lives, once its fds
+# close, only in its session's keeper (Note [Segment lifetime] in
+# csrc/lifetime/segment.h). So the exit hook keeps every fd it created open
+# (a reference to each segment) while it lets go of its slots and its pool,
+# then looks at its keeper last (_session.hand_over): a keeper that died
+# meanwhile, even during this hook, is replaced and given them all, and one
+# that cannot be reached is waited for _HAND_OVER_SECONDS. Only then do the
+# fds close. A keeper killed after that look takes those messages with it,
+# as any holder's death does; handed_over_at says when the look was (the
+# soak, scripts/soak.py, tells the two apart by it).
+_HAND_OVER_SECONDS = 10.0
+handed_over_at = None  # monotonic time of the last look; None: not made
+
 # Note [Exit after the threads]: _exit found a thread to wait for before the
 # threads were joined; whether they have been joined since.
 _exit_deferred = False
@@ -205,7 +219,7 @@ def _threads_python_waits_for():
 
 
 def _exit():
-    global _exit_deferred
+    global _exit_deferred, handed_over_at
     keep_holdings = False
     if _threads_python_waits_for():
         if not _threads_joined:
@@ -218,11 +232,8 @@ def _exit():
     deadline = time.monotonic() + _MESSAGES_AT_EXIT_SECONDS
     while _C.live_messages() and time.monotonic() < deadline:
         time.sleep(0.001)
-    # A keeper that died since the last check (about once a second) is
-    # replaced now: what this process sent and nobody has loaded yet must
-    # go to a keeper before this process's fds of it close.
-    if _C.segments_with_fd():
-        _session.check()
+    # Note [Handing over at exit]: kept open until the keeper is seen alive.
+    fds_kept = _C.segments_with_fd()
     _holdings.exiting = True
     # The timer is a daemon thread: left running into interpreter
     # finalization, it is stopped wherever it is, perhaps holding the lock,
@@ -230,11 +241,15 @@ def _exit():
     # module's globals) would wait for ever. So it ends here, joined;
     # ensure() starts no other once `exiting` is set.
     _expiry.timer.halt()
+    if not keep_holdings:
+        # Before CUDA's own teardown, after every copy (Note [Pinned in place]).
+        _pins.release_all()
+        _segments.disown_all()
+    if fds_kept:
+        handed_over_at = _session.hand_over(_HAND_OVER_SECONDS)
+        del fds_kept  # the fds of what nothing holds any more close here
     if keep_holdings:
         return
-    # Before CUDA's own teardown, after every copy (Note [Pinned in place]).
-    _pins.release_all()
-    _segments.disown_all()
     _C.remove_own_lock()
     _session.leave()
 

@@ -231,10 +231,12 @@ def rejoin():
     """Joins the session's keeper again after it died (a new one, with a new
     table) and registers every segment this process created and still holds
     an fd of."""
+    global _unregistered
     with _lock:
         _drop_connection()
         if _left:
             raise _unavailable("this process is exiting")
+        _unregistered = True
         _join(_session)
         for segment in _C.segments_with_fd():
             index = _table.claim(segment.uid)
@@ -245,20 +247,26 @@ def rejoin():
                     [_protocol.register(index, segment.uid)],
                     [segment.fd],
                 )
-            except TimeoutError:
-                # Not registered: the next rejoin (check(), within a second)
-                # registers them all again; the keeper ignores repeats.
-                _drop_connection(timed_out=True)
+            except OSError as exc:
+                if segment.fd < 0:
+                    continue  # let go of meanwhile (unlinked): nothing to keep
+                # Not registered: the next rejoin (check(), within a second;
+                # hand_over() at exit) registers them all again, and the
+                # keeper ignores repeats. A connection stays open only while
+                # the keeper has every segment this process holds an fd of.
+                _drop_connection(timed_out=isinstance(exc, TimeoutError))
                 return
-            except OSError:
-                pass
+        _unregistered = False
+
+
+_unregistered = False  # a rejoin began and did not register every segment
 
 
 def check():
     """Rejoins if the keeper died (its connection reads as closed). Called
-    about once a second, by the pool's thorough pass, and at exit (what this
-    process sent must reach a keeper before its fds close); skipped while
-    another thread waits for a reply on the connection. Never raises."""
+    about once a second, by the pool's thorough pass; skipped while another
+    thread waits for a reply on the connection. Never raises. (At exit,
+    hand_over() waits instead.)"""
     if not _lock.acquire(blocking=False):
         return
     try:
@@ -281,6 +289,58 @@ def check():
                 pass  # the next request tries again (or goes on without)
     finally:
         _lock.release()
+
+
+def hand_over(patience):
+    """At exit, before this process's segment fds close: makes sure that a
+    live keeper has every segment this process created and holds an fd of
+    (what its messages in flight name), rejoining a keeper that died, and
+    trying again for `patience` seconds where it cannot (a new keeper slow
+    to start, one that did not answer in time, another thread on the
+    connection). Returns the monotonic time at which it last saw its keeper
+    alive with all of them, or None where it could not. The caller closes
+    the fds right after: a keeper that dies later takes their messages with
+    it (Note [Segment lifetime]: "lost after every holder died")."""
+    deadline = time.monotonic() + patience
+    if not _lock.acquire(timeout=patience):
+        return None
+    try:
+        while _session is not None and not _left:
+            if _keeper_has_everything():
+                return time.monotonic()
+            wait = max(0.0, _silent_until - time.monotonic())
+            if time.monotonic() + wait >= deadline:
+                return None
+            time.sleep(wait)
+            try:
+                rejoin()
+            except OSError:  # SharedMemoryError, or no keeper could start
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return None
+    finally:
+        _lock.release()
+
+
+def _keeper_has_everything():
+    """Whether the keeper this process registered its segments with lives
+    and has them all: its connection open (not at EOF); or, dropped after
+    that keeper did not answer in time (stopped, swamped), still the keeper
+    listening on the session's socket, with no rejoin left unfinished."""
+    conn = _connection
+    if conn is not None:
+        try:
+            return not _fds.readable(conn, 0)
+        except OSError:
+            return False
+    if _unregistered:
+        return False
+    probe = _connect(_session)
+    if probe is None:
+        return False
+    try:
+        return _peer_pid(probe) == _keeper_pid
+    finally:
+        probe.close()
 
 
 def close_released():
