@@ -56,14 +56,17 @@ MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 # - torch_os: what depends on torch and the OS, not on Python's, NumPy's or
 #   pandas' version (torch's tensors, the keeper, faults and limits, handles,
 #   the GPU path): not the newest lane, whose torch is the pip lane's.
-# - The Debian lanes start children by fork and forkserver, not spawn:
-#   forkserver's children unpickle their arguments in a fresh interpreter as
-#   spawn's do (the late registration under test), without each importing
-#   torch again (a third of those lanes' time).
+# - The Debian and newest lanes start children by fork and forkserver, not
+#   spawn: forkserver's children unpickle their arguments in a fresh
+#   interpreter as spawn's do (the late registration under test), without
+#   each importing torch again (a third of those lanes' time).
 LANES = {
     "pip": {"markers": (), "start_methods": START_METHODS},
     "debian": {"markers": ("any_stack",), "start_methods": ("fork", "forkserver")},
-    "newest": {"markers": ("any_stack", "torch_os"), "start_methods": START_METHODS},
+    "newest": {
+        "markers": ("any_stack", "torch_os"),
+        "start_methods": ("fork", "forkserver"),
+    },
 }
 
 
