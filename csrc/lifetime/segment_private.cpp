@@ -8,6 +8,7 @@
 #include <mutex>
 #include <utility>
 
+#include "base/pages.h"
 #include "base/parallel.h"
 #include "base/stats.h"
 #include "lifetime/fork_guard.h"
@@ -47,11 +48,9 @@ bool Segment::data_frozen() const {
 
 bool Segment::frozen_written(int64_t lo, int64_t hi) {
   if (!data_frozen() || hi <= lo) return false;
-  const int64_t page = ::sysconf(_SC_PAGESIZE);
-  const int64_t start = lo / page * page;
-  const int64_t end =
-      std::min<int64_t>((hi + page - 1) / page * page, capacity_);
-  return written_pages(data() + start, end - start);
+  const PageRange touched = pages_touched(lo, hi);
+  const int64_t end = std::min<int64_t>(touched.last, capacity_);
+  return written_pages(data() + touched.first, end - touched.first);
 }
 
 bool Segment::thaw_data() {

@@ -1,16 +1,16 @@
 // One copy of a sent array (Note [One copy of a sent array] in one_copy.h).
 #include "send/one_copy.h"
 
-#include <unistd.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
 #include "base/config.h"
+#include "base/pages.h"
 #include "base/stats.h"
 #include "lifetime/fork_guard.h"
 #include "lifetime/live.h"
+#include "lifetime/views.h"
 #include "send/allocator.h"
 
 namespace torchshm {
@@ -24,11 +24,6 @@ constexpr int64_t kMaxHeld = 4096;
 // word's IS_MMAPPED bit, and the leading gap an aligned chunk records.
 constexpr size_t kIsMmapped = 0x2;
 constexpr size_t kSizeBits = 0x7;
-
-int64_t page_size() {
-  static const int64_t page = ::sysconf(_SC_PAGESIZE);
-  return page;
-}
 
 // Whether NumPy's default handler (malloc, calloc, free) made the array's
 // data: directly, or as a born handler's fallback.
@@ -51,7 +46,7 @@ bool default_handler(PyArrayObject* array) {
 // its header fills the first two words: nothing is read outside the page.
 int64_t mmapped_chunk_end(const void* data) {
   constexpr int64_t kHeader = 2 * sizeof(size_t);
-  if (reinterpret_cast<int64_t>(data) % page_size() != kHeader) return 0;
+  if (reinterpret_cast<int64_t>(data) % page_bytes() != kHeader) return 0;
   const auto* words = static_cast<const size_t*>(data);
   const size_t size = words[-1];
   if (!(size & kIsMmapped)) return 0;
@@ -60,7 +55,7 @@ int64_t mmapped_chunk_end(const void* data) {
   const int64_t start = chunk - static_cast<int64_t>(gap);
   const int64_t bytes = static_cast<int64_t>((size & ~kSizeBits) + gap);
   // A mapping is whole pages: anything else is not glibc's header.
-  if (start % page_size() != 0 || bytes % page_size() != 0) return 0;
+  if (start % page_bytes() != 0 || bytes % page_bytes() != 0) return 0;
   return chunk + static_cast<int64_t>(size & ~kSizeBits);
 }
 
@@ -84,8 +79,7 @@ bool glibc_malloc() {
 struct Held {
   py::object weak;  // to the array; its callback lets go
   py::object view;  // the segment's first view: no reuse while held
-  std::shared_ptr<Segment> segment;
-  uint64_t forks;  // unprepared_forks() when it began
+  uint64_t forks;   // unprepared_forks() when it began
 };
 
 // By array; never destroyed (callbacks may run during shutdown). The GIL
@@ -97,7 +91,8 @@ std::unordered_map<PyObject*, Held>& held() {
 
 void let_go(Held& entry) {
   // A fork from C while it was held left a child mapping it, slotless.
-  if (unprepared_forks() != entry.forks) entry.segment->retire();
+  if (unprepared_forks() == entry.forks) return;
+  if (View* view = view_of(unpack_tensor(entry.view))) view->segment->retire();
 }
 
 }  // namespace
@@ -115,23 +110,19 @@ int64_t one_copy_offset(py::handle root, PyArrayObject* nearest, int64_t src,
   if (!glibc_malloc() || !default_handler(nearest)) return -1;
   const int64_t end = mmapped_chunk_end(data);
   const int64_t begin = reinterpret_cast<int64_t>(data);
-  const int64_t page = page_size();
-  const int64_t first = (src + page - 1) / page * page;
   // The whole allocation, so that each adoption maps every whole page of
   // it and the previous snapshot holds none of them any more.
   if (end == 0 || src != begin || n < PyArray_NBYTES(nearest) ||
-      src + n > end || first + page > src + n)
+      src + n > end || pages_covered(src, src + n).bytes() == 0)
     return -1;
-  return src % page;
+  return src % page_bytes();
 }
 
 void adopt_pages(PyArrayObject* nearest, const py::object& view,
                  const std::shared_ptr<Segment>& segment, int64_t at,
                  int64_t src, int64_t n) {
-  const int64_t page = page_size();
-  const int64_t first = (src + page - 1) / page * page;
-  const int64_t last = (src + n) / page * page;
-  if (segment == nullptr || last <= first) return;
+  const PageRange whole = pages_covered(src, src + n);
+  if (segment == nullptr || whole.bytes() == 0) return;
   auto* key = reinterpret_cast<PyObject*>(nearest);
   auto& table = held();
   auto found = table.find(key);
@@ -147,19 +138,18 @@ void adopt_pages(PyArrayObject* nearest, const py::object& view,
     });
     weak = weak_ref(key, callback);
   }
-  if (!segment->map_data_over(reinterpret_cast<void*>(first),
-                              at + (first - src), last - first))
+  if (!segment->map_data_over(reinterpret_cast<void*>(whole.first),
+                              at + (whole.first - src), whole.bytes()))
     return;
-  count(kBytesOneCopy, last - first);
+  count(kBytesOneCopy, whole.bytes());
   if (found != table.end()) {
     // Its pages left the earlier snapshot: let go of that one.
     Held previous = std::exchange(
-        found->second,
-        Held{found->second.weak, view, segment, unprepared_forks()});
+        found->second, Held{found->second.weak, view, unprepared_forks()});
     let_go(previous);
     return;
   }
-  table.emplace(key, Held{std::move(weak), view, segment, unprepared_forks()});
+  table.emplace(key, Held{std::move(weak), view, unprepared_forks()});
 }
 
 int64_t one_copy_held() { return static_cast<int64_t>(held().size()); }
