@@ -21,11 +21,6 @@ from torchshm._lifetime import session as _session
 from torchshm._native import _C
 
 
-# How long a receiver keeps trying a keeper that does not answer (a new one,
-# slow to start on a loaded machine) before its load fails.
-RECEIVE_PATIENCE = 60.0
-
-
 def attach(locator, ticket, generation):
     """The int8 tensor over the segment `locator` names (Segment.locator),
     claiming the message's ticket.
@@ -78,7 +73,7 @@ def _join_to_load():
     not stop a load that the segment's creator can serve: the creator keeps
     the fd of every segment a message in flight names, and _open finds it
     through /proc without the keeper; only if it cannot does _open wait for
-    the keeper (RECEIVE_PATIENCE). Joining is tried again at the next load."""
+    the keeper (_session.KEEPER_PATIENCE). Joining is tried again at the next load."""
     try:
         _session.join()
     except _C.SharedMemoryError:
@@ -146,9 +141,9 @@ def _open(session, uid, index, creator_pid, creator_fd):
         # The keeper is the last place: a load that fails loses its message,
         # so a keeper that does not answer in time (a new one, taking its
         # members' segments on a loaded machine) is asked again.
-        deadline = time.monotonic() + RECEIVE_PATIENCE
+        deadline = time.monotonic() + _session.KEEPER_PATIENCE
         if _session.joined() is None:  # not a member yet (_join_to_load)
-            _session.join(patience=RECEIVE_PATIENCE)
+            _session.join(patience=_session.KEEPER_PATIENCE)
         patience = max(0.0, deadline - time.monotonic())
         fd = _session.fetch(session, uid, index, patience=patience)
         try:

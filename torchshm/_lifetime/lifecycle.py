@@ -192,14 +192,15 @@ _MESSAGES_AT_EXIT_SECONDS = 2.0
 # What this process sent and nobody has loaded yet lives, once its fds
 # close, only in its session's keeper (Note [Segment lifetime] in
 # csrc/lifetime/segment.h). So the exit hook keeps every fd it created open
-# (a reference to each segment) while it lets go of its slots and its pool,
-# then looks at its keeper last (_session.hand_over): a keeper that died
-# meanwhile, even during this hook, is replaced and given them all, and one
-# that cannot be reached is waited for _HAND_OVER_SECONDS. Only then do the
-# fds close. A keeper killed after that look takes those messages with it,
-# as any holder's death does; handed_over_at says when the look was (the
-# soak, scripts/soak.py, tells the two apart by it).
-_HAND_OVER_SECONDS = 10.0
+# (a reference to each segment) while it lets go of its slots and its pool:
+# a segment that nothing else holds is let go of then, and its fd closes.
+# If any is still held (a message in flight names it), the hook looks at
+# its keeper last (_session.hand_over): a keeper that died meanwhile, even
+# during this hook, is replaced and given them all, and where none answers
+# it waits as long as a receiver would (_session.KEEPER_PATIENCE). Only
+# then do those fds close. A keeper killed after that look takes those
+# messages with it, as any holder's death does; handed_over_at says when
+# the look was (the soak, scripts/soak.py, tells the two apart by it).
 handed_over_at = None  # monotonic time of the last look; None: not made
 
 # Note [Exit after the threads]: _exit found a thread to wait for before the
@@ -245,9 +246,12 @@ def _exit():
         # Before CUDA's own teardown, after every copy (Note [Pinned in place]).
         _pins.release_all()
         _segments.disown_all()
-    if fds_kept:
-        handed_over_at = _session.hand_over(_HAND_OVER_SECONDS)
-        del fds_kept  # the fds of what nothing holds any more close here
+    # What nothing holds any more was let go of: unlinked, its fd closed.
+    held = [segment for segment in fds_kept if segment.fd >= 0]
+    del fds_kept
+    if held:
+        handed_over_at = _session.hand_over(_session.KEEPER_PATIENCE)
+        del held
     if keep_holdings:
         return
     _C.remove_own_lock()

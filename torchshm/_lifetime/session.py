@@ -38,6 +38,10 @@ from torchshm._keeper import protocol as _protocol
 from torchshm._native import _C
 
 ENV_VAR = "TORCHSHM_SESSION"
+# How long a process that would lose a message without a keeper waits for
+# one (a new one, slow to start on a loaded machine): a receiver loading it
+# (_lifetime/attach.py), a sender's exit handing it over (hand_over).
+KEEPER_PATIENCE = 60.0
 _lock = threading.RLock()  # joining, and every request on the connection
 _connection = None  # this process's member connection
 _session = None
