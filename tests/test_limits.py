@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,9 +143,12 @@ def test_eight_threads_send_overlapping_views_to_a_prefetch_thread(ctx, no_leaks
             q.join_thread()
 
 
-def _loader_in_small_shm(method, samples=32, env=None, hold=False):
+def _loader_in_small_shm(method, samples=32, env=None, hold=False, may_hang=False):
     """benchmarks/docker_loader.py's JSON for one run in a private 64 MiB
-    /dev/shm (the DataLoader of issue 20: 4 spawn workers, 2 MiB samples)."""
+    /dev/shm (the DataLoader of issue 20: 4 spawn workers, 2 MiB samples).
+    With `may_hang` (torch alone), a loader that printed its result and does
+    not exit within EXIT_GRACE (torch's DataLoader, on Debian 13's torch 2.6,
+    once a worker died of the full /dev/shm) is killed: its result stands."""
     env = dict(env or os.environ, PYTHONPATH=isolated.ROOT)
     env.pop("TORCHSHM_SESSION", None)
     env["TORCHSHM_THRESHOLD"] = "256K"  # the default, not the suite's
@@ -159,8 +163,19 @@ def _loader_in_small_shm(method, samples=32, env=None, hold=False):
         env=env,
         start_new_session=True,
     )
+    out, err = [], []
+    readers = [
+        threading.Thread(target=lambda f=f, into=into: into.extend(f), daemon=True)
+        for f, into in ((proc.stdout, out), (proc.stderr, err))
+    ]
+    for reader in readers:
+        reader.start()
     try:
-        stdout, stderr = proc.communicate(timeout=10 * TIMEOUT)
+        deadline = time.monotonic() + 10 * TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if may_hang and any(line.startswith("{") for line in out):
+                deadline = min(deadline, time.monotonic() + EXIT_GRACE)
+            time.sleep(0.1)
     finally:
         # On a time limit (this one or the test's), killing the loader alone
         # left its 4 spawn workers and their keeper running for good.
@@ -169,8 +184,16 @@ def _loader_in_small_shm(method, samples=32, env=None, hold=False):
         except ProcessLookupError:
             pass
         proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
-    return json.loads(stdout.strip().splitlines()[-1])
+        for reader in readers:
+            reader.join(TIMEOUT)
+        proc.stdout.close()
+        proc.stderr.close()
+    lines = [line for line in out if line.startswith("{")]
+    assert lines and (may_hang or proc.returncode == 0), "".join(err)[-3000:]
+    return json.loads(lines[-1])
+
+
+EXIT_GRACE = 30  # seconds a loader that printed its result may take to exit
 
 
 # One loader run starts 5 interpreters (4 spawn workers): 14-20 s on a quiet
@@ -207,7 +230,9 @@ def test_the_default_collate_in_a_64_mib_dev_shm_completes_with_torchshm_importe
     env = {k: v for k, v in os.environ.items() if k != "TORCHSHM_TENSORS"}
     for method in (runs[0], runs[2]):
         if method is not None:  # torch alone, and torchshm's switch off
-            without = _loader_in_small_shm(method, samples=48, env=env, hold=True)
+            without = _loader_in_small_shm(
+                method, samples=48, env=env, hold=True, may_hang=True
+            )
             assert not without["completed"] and without["batches"] < 2 * 48 // 8
     default = _loader_in_small_shm(runs[1], samples=48, env=env, hold=True)
     assert default["completed"], default.get("error")
