@@ -282,17 +282,22 @@ def check():
                 except OSError:  # SharedMemoryError, or no keeper could start
                     pass
             return
-        try:
-            ready = _fds.readable(conn, 0)
-        except OSError:
-            ready = True
-        if ready:  # a member is never sent anything unasked: EOF
+        if _closed(conn):
             try:
                 rejoin()
             except OSError:  # SharedMemoryError, or no keeper could start
                 pass  # the next request tries again (or goes on without)
     finally:
         _lock.release()
+
+
+def _closed(conn):
+    """Whether a member's connection reads as closed: its keeper died (a
+    member is never sent anything unasked, so anything to read is EOF)."""
+    try:
+        return _fds.readable(conn, 0)
+    except OSError:
+        return True
 
 
 def hand_over(patience):
@@ -332,10 +337,7 @@ def _keeper_has_everything():
     listening on the session's socket, with no rejoin left unfinished."""
     conn = _connection
     if conn is not None:
-        try:
-            return not _fds.readable(conn, 0)
-        except OSError:
-            return False
+        return not _closed(conn)
     if _unregistered:
         return False
     probe = _connect(_session)
