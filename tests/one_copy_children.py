@@ -1,6 +1,8 @@
 """Children and probes for tests/test_one_copy.py (importable under spawn and
 forkserver)."""
 
+import ctypes
+import mmap
 import os
 import re
 
@@ -32,6 +34,16 @@ def mapped_kb(array, field):
             elif inside and line.startswith(field + ":"):
                 total += int(line.split()[1])
     return total
+
+
+def own_chunk(array):
+    """Whether glibc's malloc mmap()ed `array`'s block for it alone: it starts
+    16 bytes into a page, after a chunk header whose size word has the
+    IS_MMAPPED bit (0x2)."""
+    data = array.ctypes.data
+    if data % mmap.PAGESIZE != 16:
+        return False
+    return ctypes.c_size_t.from_address(data - 8).value & 0x2 != 0
 
 
 def hold_and_report(inbox, outbox):

@@ -23,10 +23,22 @@ MIB = 1 << 20
 BIG = 64 * MIB
 
 
-def model(nbytes=BIG, value=None):
+def model(nbytes=BIG, value=None, start=0):
+    """A model's array in memory of its own, an mmap()ed chunk of glibc's, as
+    a large array of a process that started lately is. This long-lived test
+    process's heap may hold a free chunk large enough for it, and a block
+    from there is copied as any heap block: such chunks are held meanwhile."""
+    taken = []
+    while not kids.own_chunk(probe := np.empty(nbytes, np.uint8)):
+        taken.append(probe)
+        assert len(taken) < 64, "no mmap()ed chunk from glibc's malloc"
+    del probe
     if value is None:
-        return np.arange(nbytes // 8, dtype=np.float64)
-    return np.full(nbytes // 8, value, dtype=np.float64)
+        made = np.arange(start, start + nbytes // 8, dtype=np.float64)
+    else:
+        made = np.full(nbytes // 8, value, dtype=np.float64)
+    assert kids.own_chunk(made)
+    return made
 
 
 def described(array):
@@ -44,7 +56,7 @@ def test_a_model_sent_to_four_tasks_is_one_copy_in_memory(ctx, child):
         assert c.receive() == []
     pids = [c.process.pid for c in children]
     before = sum(kids.pss_bytes(p) for p in pids) + kids.pss_bytes("self")
-    layers = [model(nbytes // 2) + i for i in range(2)]
+    layers = [model(nbytes // 2, start=i) for i in range(2)]
     sent_before = torchshm.stats()
     seen = []
     for c in children:  # one after another: see the Note on concurrent sends
@@ -215,6 +227,35 @@ def test_an_array_on_glibcs_heap_is_copied_as_before():
     assert result == {"one_copy": 0, "copied": 32 * MIB, "intact": True}
 
 
+FRAGMENTED = """
+import json
+import numpy as np
+import torchshm
+from multiprocessing.reduction import ForkingPickler
+
+a = np.ones(30 << 17)  # an mmap()ed chunk freed: glibc's threshold is 30 MiB
+del a
+kept = [np.ones(30 << 17) for _ in range(10)]  # on the heap now
+after = np.ones(30 << 17)  # what they free stays in the middle of the heap
+del kept  # 300 MiB free there: glibc serves a block up to that from it
+model = np.arange((512 << 20) // 8, dtype=np.float64)  # larger: mmap()ed
+got = ForkingPickler.loads(ForkingPickler.dumps(model))
+print(json.dumps({"one_copy": torchshm.stats()["bytes_one_copy"],
+                  "intact": bool((got == np.arange(model.size)).all())}))
+"""
+
+
+def test_glibc_is_known_in_a_fragmented_heap():
+    """Whether malloc is glibc's is asked once per process, when the first
+    large array is sent: a heap with a large free chunk then (a 64 MiB
+    probe block came from it, without an mmap()ed chunk's header) must not
+    turn one copy off for the process's life."""
+    run = run_python(FRAGMENTED)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result == {"one_copy": 512 * MIB - 4096, "intact": True}
+
+
 def test_mmap_backed_arrays_are_copied_and_keep_the_snapshot(tmp_path, child):
     anonymous = mmap.mmap(-1, BIG)
     over_mmap = np.frombuffer(anonymous, dtype=np.float64)
@@ -242,7 +283,7 @@ def test_mmap_backed_arrays_are_copied_and_keep_the_snapshot(tmp_path, child):
 
 def test_a_born_array_is_sent_without_a_copy_at_all(child):
     with torchshm.allocating():
-        born = model()
+        born = np.arange(BIG // 8, dtype=np.float64)
     before = torchshm.stats()
     receiver = child(torchshm_ctx(), kids.hold_and_report)
     receiver.send(born)

@@ -1,6 +1,8 @@
 // One copy of a sent array (Note [One copy of a sent array] in one_copy.h).
 #include "send/one_copy.h"
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -59,19 +61,44 @@ int64_t mmapped_chunk_end(const void* data) {
   return chunk + static_cast<int64_t>(size & ~kSizeBits);
 }
 
-// Whether malloc is glibc's (not a preloaded jemalloc or tcmalloc): a block
-// above glibc's largest mmap threshold (32 MiB) is an mmap()ed chunk of its
-// own, with its header. dlsym cannot tell: in a non-PIE executable (Debian's
-// python3) malloc's address is the executable's canonical PLT entry.
+// glibc's mallinfo2() (glibc 2.33 up), spelled here: every field a size_t.
+struct MallocCounts {
+  size_t arena, ordblks, smblks, hblks, hblkhd, usmblks, fsmblks, uordblks,
+      fordblks, keepcost;
+};
+
+// Whether malloc is glibc's (not a preloaded jemalloc or tcmalloc): glibc's
+// own count of the bytes in use (in its arenas and in its mmap()ed chunks)
+// grows by a block that malloc() gives. Neither dlsym nor a block's header
+// can tell: in a non-PIE executable (Debian's python3) malloc's address is
+// the executable's canonical PLT entry, and a probe block may come from a
+// free chunk of glibc's heap (after many frees, a block of any size may),
+// without an mmap()ed chunk's header. mallinfo2 must be libc's own (tcmalloc
+// defines one of its own); another thread's frees during the probe can only
+// make it say no (then copies as before), so it is asked up to three times.
 bool glibc_malloc() {
   static const bool yes = [] {
-    constexpr size_t kProbe = 64 << 20;  // freed, it moves no threshold
+    void* symbol = ::dlsym(RTLD_DEFAULT, "mallinfo2");
+    Dl_info where{};
+    if (symbol == nullptr || ::dladdr(symbol, &where) == 0 ||
+        where.dli_fname == nullptr ||
+        std::strstr(where.dli_fname, "/libc.so") == nullptr)
+      return false;
+    auto* counts = reinterpret_cast<MallocCounts (*)()>(symbol);
+    auto in_use = [&] {
+      const MallocCounts c = counts();
+      return c.uordblks + c.hblkhd;
+    };
+    constexpr size_t kProbe = 1 << 20;
     void* (*volatile allocate)(size_t) = std::malloc;  // not elided
-    void* p = allocate(kProbe);
-    if (p == nullptr) return false;
-    const int64_t end = mmapped_chunk_end(p);
-    std::free(p);
-    return end >= reinterpret_cast<int64_t>(p) + static_cast<int64_t>(kProbe);
+    for (int tries = 0; tries < 3; ++tries) {
+      const size_t before = in_use();
+      void* p = allocate(kProbe);
+      const size_t after = in_use();
+      std::free(p);
+      if (p != nullptr && after >= before + kProbe) return true;
+    }
+    return false;
   }();
   return yes;
 }
@@ -112,8 +139,11 @@ int64_t one_copy_offset(py::handle root, PyArrayObject* nearest, int64_t src,
   const int64_t begin = reinterpret_cast<int64_t>(data);
   // The whole allocation, so that each adoption maps every whole page of
   // it and the previous snapshot holds none of them any more.
+  // A chunk glibc mapped for this block alone: its header's size is the
+  // request's, rounded up to a page (a larger one is not what it seems).
   if (end == 0 || src != begin || n < PyArray_NBYTES(nearest) ||
-      src + n > end || pages_covered(src, src + n).bytes() == 0)
+      src + n > end || end - (src + n) > page_bytes() + 16 ||
+      pages_covered(src, src + n).bytes() == 0)
     return -1;
   return src % page_bytes();
 }

@@ -17,14 +17,16 @@
 // - an ndarray that owns its data (no base) from NumPy's default handler
 //   (or the born handler's fallback to it: a declined allocation), whose
 //   whole allocation was copied;
-// - malloc is glibc's (not a preloaded jemalloc or tcmalloc: a probe of a
-//   64 MiB block finds glibc's chunk header) and the block is one of its
-//   mmap()ed chunks (its header says so: large blocks, from glibc's mmap
-//   threshold up): free() unmaps the whole chunk, so the
+// - malloc is glibc's (not a preloaded jemalloc or tcmalloc: glibc's own
+//   count of bytes in use, mallinfo2, grows by a probe block) and the block
+//   is one of its mmap()ed chunks (its header says so: large blocks, from
+//   glibc's mmap threshold up, unless a free chunk of its heap is large
+//   enough, which after many frees it may be; then the block is copied as
+//   any heap block): free() unmaps the whole chunk, so the
 //   mapping dies with the array, and realloc() of a chunk that is no longer
 //   one mapping fails over to malloc + copy + unmap (NumPy refuses resize()
-//   of an array with a weak reference, which this keeps, unless told
-//   refcheck=False);
+//   of an array with a weak reference, which this keeps, refcheck=False
+//   or not: NumPy 1.24 and 2.4 seen);
 // - at least ONE_COPY_MIN bytes (torchshm/_send/sender.py): the copy gets a
 //   segment of its own, placed at the array's offset within a page so that
 //   pages line up.
