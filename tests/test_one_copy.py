@@ -94,6 +94,31 @@ def test_the_owner_writes_after_the_send_and_no_receiver_sees_it(ctx, child):
     assert receiver.close() == 0
 
 
+def test_a_resend_is_by_reference_until_any_page_is_written(child):
+    """An unchanged array sent again names its snapshot (compared by the page
+    table, its pages being the snapshot's); a write to one page in the
+    middle, which no comparison of the partial first and last pages sees,
+    makes a new snapshot."""
+    sent = model()
+    receiver = child(torchshm_ctx(), kids.hold_and_report)
+    receiver.send(sent)
+    assert receiver.receive()[1] == described(model())
+    before = torchshm.stats()
+    receiver.send(sent)
+    assert receiver.receive()[1] == described(model())
+    delta = stats_delta(before)
+    assert (delta["snapshots_resent"], delta["bytes_copied"]) == (1, 0)
+    sent[sent.size // 2] = -1.0
+    receiver.send(sent)
+    assert receiver.receive()[1] == described(sent)
+    delta = stats_delta(before)
+    assert (delta["snapshots_resent"], delta["bytes_copied"]) == (1, BIG)
+    receiver.send("look")  # each held message as it was when sent
+    assert receiver.receive() == [described(model())] * 2 + [described(sent)]
+    receiver.send(None)
+    assert receiver.close() == 0
+
+
 def test_the_owner_frees_the_array_while_a_receiver_holds_it(ctx, child):
     sent = model()
     expected = described(sent)

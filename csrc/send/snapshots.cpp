@@ -1,9 +1,12 @@
 #include "send/snapshots.h"
 
 #include "base/gil.h"
+#include "base/pages.h"
 #include "lifetime/identity.h"
 #include "lifetime/live.h"
+#include "lifetime/private_mappings.h"
 #include "lifetime/views.h"
+#include "send/one_copy.h"
 
 namespace torchshm {
 
@@ -33,12 +36,27 @@ std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
     owner = py::cast(view_tensor(segment, slot, me));
     live_views().remember(segment->name(), owner, py::none());
   }
+  // An array whose pages are this snapshot's (Note [One copy of a sent
+  // array] in one_copy.h) equals it where it wrote none of them: only its
+  // partial first and last pages are compared.
+  const bool adopted = pages_adopted(key, *segment, at, lo, hi);
   bool same = false;
   {
     // `key` (the caller's array) keeps the bytes alive; `owner` the segment.
     GilReleased no_gil;  // Note [The GIL at exit] in gil.h
-    same = segment->equals(at, reinterpret_cast<const uint8_t*>(lo), hi - lo,
-                           threads);
+    auto equal = [&](int64_t from, int64_t to) {
+      return segment->equals(at + (from - lo),
+                             reinterpret_cast<const uint8_t*>(from), to - from,
+                             threads);
+    };
+    const PageRange whole = pages_covered(lo, hi);
+    if (adopted && whole.bytes() > 0) {
+      same = equal(lo, whole.first) && equal(whole.last, hi) &&
+             !written_pages(reinterpret_cast<uint8_t*>(whole.first),
+                            whole.bytes());
+    } else {
+      same = equal(lo, hi);
+    }
   }
   if (!same) {
     entries_.erase(key.ptr());

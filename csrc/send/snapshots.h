@@ -23,7 +23,11 @@ namespace torchshm {
 // copies the same bytes of the same buffer, and that segment is still alive in
 // this process with that generation, the array is compared with the snapshot
 // (memcmp by up to copy_threads threads, at memory speed: cheaper than
-// writing fresh pages); if equal, the message names the snapshot again.
+// writing fresh pages); if equal, the message names the snapshot again. An
+// array whose whole pages are the snapshot's own (Note [One copy of a sent
+// array] in one_copy.h) is compared by its page table instead: equal if
+// this process wrote none of them (written_pages: 4-5 ms per 512 MiB
+// against ~50 ms of memcmp) and its partial first and last pages are.
 // Equal bytes are exactly what a new copy would hold, and nothing writes a
 // snapshot while its generation lasts (receivers map it privately: Note
 // [Snapshots are mapped privately] in segment.h), so no receiver can tell.
