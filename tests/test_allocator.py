@@ -89,6 +89,24 @@ def test_a_born_array_sent_twice_unwritten_goes_by_reference_both_times():
     del first, second
 
 
+def test_a_frozen_segment_reused_by_the_pool_is_shared_again():
+    """At its send a born array's segment is frozen (the sender's shared
+    pages moved aside, a private mapping in their place); when the pool
+    reuses it, they move back: what the next array born there holds is what
+    its receivers read, not the earlier generation's bytes."""
+    names = set()
+    before = torchshm.stats()
+    for value in range(4):
+        with torchshm.allocating(min_bytes=MIN_BYTES):
+            a = np.full(N, float(value))
+        names.add(segment_of(a))
+        got = roundtrip(a)
+        a[:10] = -1.0  # after the send: the sender's own pages
+        assert (got == value).all() and (a[:10] == -1).all()
+        del a, got
+    assert len(names) == 1 and stats_delta(before)["segments_reused"] == 3
+
+
 def test_calloc_of_reused_memory_is_zero():
     with torchshm.allocating(min_bytes=MIN_BYTES):
         dirty = np.full(N, 7.0)

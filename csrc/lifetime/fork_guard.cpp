@@ -108,10 +108,61 @@ bool remap(void* p, size_t n, int flags, int fd, int64_t offset,
   return true;
 }
 
+// Linux 5.7 (5.13 for shared mappings); older headers lack the name.
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+
+void* move(void* from, size_t n, void* to, int extra = 0) {
+  return ::mremap(from, n, n, MREMAP_MAYMOVE | MREMAP_FIXED | extra, to);
+}
+
 }  // namespace
 
 bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset) {
   return remap(p, n, flags, fd, offset, /*dontfork=*/true);
+}
+
+void* park_tracked(void* p, size_t n, int fd, int64_t offset) {
+  void* fresh = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd,
+                       static_cast<off_t>(offset));
+  if (fresh == MAP_FAILED) return nullptr;
+  // The parking place: an address range of our own to move the pages to.
+  void* parked = ::mmap(nullptr, n, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (parked == MAP_FAILED) {
+    ::munmap(fresh, n);
+    return nullptr;
+  }
+  Guard& g = guard();
+  // Under the mutex: no fork between the moves and their advice.
+  std::lock_guard<std::mutex> lock(g.mutex);
+  // Its page tables move (no page is unmapped or faulted); [p, p + n) stays
+  // mapped, empty, so no other mapping can land there meanwhile.
+  if (move(p, n, parked, MREMAP_DONTUNMAP) == MAP_FAILED) {
+    ::munmap(fresh, n);
+    ::munmap(parked, n);
+    return nullptr;
+  }
+  if (move(fresh, n, p) == MAP_FAILED) {
+    if (move(parked, n, p) == MAP_FAILED) ::munmap(parked, n);  // empty then
+    ::munmap(fresh, n);
+    return nullptr;
+  }
+  ::madvise(p, n, MADV_DONTFORK);
+  ::madvise(parked, n, MADV_DONTFORK);
+  g.mappings[parked] = n;
+  return parked;
+}
+
+bool unpark_tracked(void* parked, void* p, size_t n) {
+  Guard& g = guard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (g.mappings.count(parked) == 0 || move(parked, n, p) == MAP_FAILED)
+    return false;
+  g.mappings.erase(parked);  // moved: nothing is mapped there now
+  ::madvise(p, n, MADV_DONTFORK);
+  return true;
 }
 
 bool remap_untracked(void* p, size_t n, int fd, int64_t offset) {

@@ -39,6 +39,16 @@ void unmap_tracked(void* p, size_t n);
 // `fd` at `offset` with `flags` (MAP_SHARED or MAP_PRIVATE), DONTFORK as the
 // rest; false, with the old mapping intact, where it cannot.
 bool remap_tracked(void* p, size_t n, int flags, int fd, int64_t offset);
+// Moves the pages of [p, p + n), part of a tracked shared mapping, to a new
+// tracked mapping (their page tables move: no page is unmapped, none
+// faults) and maps `fd` at `offset` privately at p instead: the new
+// address, or nullptr (p as it was) where the kernel cannot (Linux 5.13 or
+// later moves a shared mapping with MREMAP_DONTUNMAP).
+void* park_tracked(void* p, size_t n, int fd, int64_t offset);
+// Moves the pages park_tracked parked at `parked` back over [p, p + n),
+// replacing the private mapping there; false (both as they were) where it
+// cannot.
+bool unpark_tracked(void* parked, void* p, size_t n);
 // Replaces [p, p + n), memory that is not torchshm's (a sent array's pages:
 // Note [One copy of a sent array] in send/one_copy.h), by a private
 // read-write mapping of `fd` at `offset`, inherited by every fork and not

@@ -220,6 +220,7 @@ Segment::~Segment() {
   // A walk that a forked child inherited (the parent's thread is not here).
   if (walking_ != nullptr) unmap_tracked(walking_, data_bytes);
   if (readonly_ != nullptr) unmap_tracked(readonly_, data_bytes);
+  if (parked_ != nullptr) unmap_tracked(parked_, capacity_);
   close_fd();
 }
 

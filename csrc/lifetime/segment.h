@@ -288,6 +288,9 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // reference while this process wrote none of its pages, else a new
   // snapshot (frozen_written). When the pool reuses the segment, no array
   // of this process is over it: thaw_data() maps the data shared again.
+  // The shared mapping's pages are parked meanwhile, mapped, at an address
+  // of their own, and moved back (page tables moved, no page faulted or
+  // unmapped: a DataLoader worker's next batch writes at memory speed).
   // A block of a slab is never frozen (its slab's other blocks are shared
   // memory): small born arrays stay shared, as the allocator's page says.
   // False if it cannot (no fd, the mapping refused): then the caller copies.
@@ -405,7 +408,10 @@ class Segment : public std::enable_shared_from_this<Segment> {
   mutable std::mutex mappings_mutex_;
   bool write_fill_ = false;   // created without populate: fill() by pwrite
   bool data_frozen_ = false;  // freeze_data(); the mutex's
-  const uint64_t epoch_;      // mapping_epoch() when its mappings were made
+  // While frozen: the shared mapping's pages, moved aside (park_tracked in
+  // fork_guard.h) for thaw_data to move back. The mutex's.
+  uint8_t* parked_ = nullptr;
+  const uint64_t epoch_;  // mapping_epoch() when its mappings were made
 
  public:
   // Set while a pool of this process keeps the segment (pool.h): its last
