@@ -89,6 +89,16 @@ void unmap_tracked(void* p, size_t n) {
 
 namespace {
 
+// Linux 5.7 (5.13 for shared mappings); older headers lack the name.
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+
+// Moves the mapping at [from, from + n) to `to`, replacing what is there.
+void* move(void* from, size_t n, void* to, int extra = 0) {
+  return ::mremap(from, n, n, MREMAP_MAYMOVE | MREMAP_FIXED | extra, to);
+}
+
 bool remap(void* p, size_t n, int flags, int fd, int64_t offset,
            bool dontfork) {
   // Mapped elsewhere first, then moved over the old range in one call: a
@@ -100,21 +110,12 @@ bool remap(void* p, size_t n, int flags, int fd, int64_t offset,
   Guard& g = guard();
   // Under the mutex: no fork between the move and its advice.
   std::lock_guard<std::mutex> lock(g.mutex);
-  if (::mremap(fresh, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, p) == MAP_FAILED) {
+  if (move(fresh, n, p) == MAP_FAILED) {
     ::munmap(fresh, n);
     return false;
   }
   if (dontfork) ::madvise(p, n, MADV_DONTFORK);
   return true;
-}
-
-// Linux 5.7 (5.13 for shared mappings); older headers lack the name.
-#ifndef MREMAP_DONTUNMAP
-#define MREMAP_DONTUNMAP 4
-#endif
-
-void* move(void* from, size_t n, void* to, int extra = 0) {
-  return ::mremap(from, n, n, MREMAP_MAYMOVE | MREMAP_FIXED | extra, to);
 }
 
 }  // namespace
