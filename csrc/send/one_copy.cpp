@@ -107,8 +107,6 @@ struct Held {
   py::object weak;  // to the array; its callback lets go
   py::object view;  // the segment's first view: no reuse while held
   uint64_t forks;   // unprepared_forks() when it began
-  int64_t src, n;   // the array's bytes whose whole pages were mapped...
-  int64_t at;       // ...over the segment's data from this offset
 };
 
 // By array; never destroyed (callbacks may run during shutdown). The GIL
@@ -177,23 +175,18 @@ void adopt_pages(PyArrayObject* nearest, const py::object& view,
   if (found != table.end()) {
     // Its pages left the earlier snapshot: let go of that one.
     Held previous = std::exchange(
-        found->second,
-        Held{found->second.weak, view, unprepared_forks(), src, n, at});
+        found->second, Held{found->second.weak, view, unprepared_forks()});
     let_go(previous);
     return;
   }
-  table.emplace(key,
-                Held{std::move(weak), view, unprepared_forks(), src, n, at});
+  table.emplace(key, Held{std::move(weak), view, unprepared_forks()});
 }
 
-bool pages_adopted(py::handle key, const Segment& segment, int64_t at,
-                   int64_t lo, int64_t hi) {
+bool pages_adopted(py::handle key, const Segment& segment) {
   auto found = held().find(key.ptr());
   if (found == held().end()) return false;
-  const Held& entry = found->second;
-  View* view = view_of(unpack_tensor(entry.view));
-  return view != nullptr && view->segment.get() == &segment &&
-         entry.src == lo && entry.n == hi - lo && entry.at == at;
+  View* view = view_of(unpack_tensor(found->second.view));
+  return view != nullptr && view->segment.get() == &segment;
 }
 
 int64_t one_copy_held() { return static_cast<int64_t>(held().size()); }

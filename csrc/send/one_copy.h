@@ -73,12 +73,11 @@ void adopt_pages(PyArrayObject* nearest, const py::object& view,
                  const std::shared_ptr<Segment>& segment, int64_t at,
                  int64_t src, int64_t n);
 
-// Whether adopt_pages mapped the whole pages of bytes [lo, hi) of array
-// `key` over `segment`'s data from offset `at`: each of them is the
-// snapshot's page unless this process wrote it since (written_pages in
-// lifetime/private_mappings.h). Under the GIL.
-bool pages_adopted(py::handle key, const Segment& segment, int64_t at,
-                   int64_t lo, int64_t hi);
+// Whether adopt_pages mapped the whole pages of array `key` over
+// `segment`, a segment of its own that holds that array's copy alone: each
+// of them is the snapshot's page unless this process wrote it since
+// (written_pages in lifetime/private_mappings.h). Under the GIL.
+bool pages_adopted(py::handle key, const Segment& segment);
 
 // How many arrays hold a snapshot so (tests and the doctor).
 int64_t one_copy_held();

@@ -39,7 +39,7 @@ std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
   // An array whose pages are this snapshot's (Note [One copy of a sent
   // array] in one_copy.h) equals it where it wrote none of them: only its
   // partial first and last pages are compared.
-  const bool adopted = pages_adopted(key, *segment, at, lo, hi);
+  const bool adopted = pages_adopted(key, *segment);
   bool same = false;
   {
     // `key` (the caller's array) keeps the bytes alive; `owner` the segment.
