@@ -43,7 +43,7 @@ def attach(locator, ticket, generation):
             _check_generation(segment, generation)
             _ensure_private_mapping(segment, where)
             return _C.message_owner(owner, _config.copy_threads())
-        segment = _holdings.pool.get(name) or _mappings.take(name)
+        segment = _holdings.pool.get(name) or _mappings.take(name) or _pins.mapped(name)
         if segment is None:
             segment = _open(*where)
             _stats.add("segments_attached")

@@ -26,8 +26,10 @@ from torchshm._native import _C
 #   process created (its pool reuses one the moment its last local view
 #   dies: no slot to hold back), and nothing past TORCHSHM_PIN_BYTES: those
 #   are copied as pageable memory.
-# - For how long: once per mapping, for as long as it is mapped here. The
-#   registry holds the segment, so nothing unmaps it while it is registered;
+# - For how long: once per segment, for as long as it is mapped here. The
+#   registry holds the segment, so nothing unmaps it while it is registered,
+#   and a message naming it again is loaded from that mapping (attach takes
+#   it when its mapping cache no longer has it: one mapping, one register);
 #   it lets go (unregisters, then drops its reference: the unmap comes
 #   after) when the segment is dead and idle here (its creator let go, no
 #   view left), to make room under the bound (idle ones, least recently
@@ -47,7 +49,7 @@ from torchshm._native import _C
 hold_until_copied = True
 
 _lock = threading.RLock()
-_pinned = collections.OrderedDict()  # address -> Segment, least recent first
+_pinned = collections.OrderedDict()  # name -> Segment, least recent first
 _pinned_bytes = 0
 # [events, [(segment, slot, holder)]]: slots released once the events are.
 _deferred = collections.deque()
@@ -61,10 +63,12 @@ def pin(segment):
     if segment.created_here or segment.unlinked or not runtime.in_use():
         return False
     with _lock:
-        address = segment.address
-        if address in _pinned:
-            _pinned.move_to_end(address)
+        name = segment.name
+        if _pinned.get(name) is segment:
+            _pinned.move_to_end(name)
             return True
+        if name in _pinned:
+            return False  # another mapping of it is pinned: attach() missed it
         limit = _config.pin_bytes()
         if not _make_room(segment.capacity, limit):
             _fallback.warn_once(
@@ -76,7 +80,7 @@ def pin(segment):
             )
             return False
         try:
-            runtime.register(address, segment.capacity)
+            runtime.register(segment.address, segment.capacity)
         except _runtime.CudaError as exc:
             _fallback.warn_once(
                 ("pins", "refused"),
@@ -84,7 +88,7 @@ def pin(segment):
                 " batches are copied from pageable memory",
             )
             return False
-        _pinned[address] = segment
+        _pinned[name] = segment
         _pinned_bytes += segment.capacity
         segment.defers_releases = hold_until_copied
         return True
@@ -93,24 +97,24 @@ def pin(segment):
 def _make_room(nbytes, limit):
     """Unpins idle segments, least recently used first, until `nbytes` more
     fit under `limit`; whether they do."""
-    for address, segment in list(_pinned.items()):
+    for name, segment in list(_pinned.items()):
         if _pinned_bytes + nbytes <= limit:
             break
         if segment.local_views == 0:
-            _unpin(address)
+            _unpin(name)
     return _pinned_bytes + nbytes <= limit
 
 
-def _unpin(address):
+def _unpin(name):
     """Unregisters, then lets go of the segment (its unmap comes after). A
     failed unregister leaves it registered, and held."""
     global _pinned_bytes
-    segment = _pinned[address]
+    segment = _pinned[name]
     try:
-        _runtime.active().unregister(address)
+        _runtime.active().unregister(segment.address)
     except _runtime.CudaError:
         return
-    del _pinned[address]
+    del _pinned[name]
     _pinned_bytes -= segment.capacity
     segment.defers_releases = False
 
@@ -121,7 +125,15 @@ def pinned_bytes():
 
 
 def is_pinned(segment):
-    return segment.address in _pinned
+    return _pinned.get(segment.name) is segment
+
+
+def mapped(name):
+    """The pinned mapping of segment `name`, or None. A receiver whose last
+    view of it died keeps it mapped here even when its mapping cache does
+    not (full, or its lock was busy at that moment): attach() takes this
+    one, or it would map and register the same memory a second time."""
+    return _pinned.get(name)
 
 
 def poll():
@@ -137,9 +149,9 @@ def poll():
             _deferred.append((runtime.record_in_use(), taken))
         while _deferred and all(runtime.done(e) for e in _deferred[0][0]):
             ready.extend(_deferred.popleft()[1])
-        for address, segment in list(_pinned.items()):
+        for name, segment in list(_pinned.items()):
             if segment.unlinked and segment.local_views == 0:
-                _unpin(address)
+                _unpin(name)
     for segment, slot, holder in ready:
         segment.release_slot(slot, holder)
 
@@ -159,8 +171,8 @@ def release_all():
             for event in events:
                 runtime.wait(event)
             ready.extend(slots)
-        for address in list(_pinned):
-            _unpin(address)
+        for name in list(_pinned):
+            _unpin(name)
     for segment, slot, holder in ready:
         segment.release_slot(slot, holder)
 
