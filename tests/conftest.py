@@ -149,6 +149,16 @@ def pytest_collection_modifyitems(session, config, items):
             sdist[0].module.start_build()
 
 
+def pytest_collection_finish(session):
+    """Everything imported and collected so far is frozen out of the garbage
+    collector: with torch, NumPy and pandas loaded a full gc.collect() walks
+    ~230,000 objects (90-130 ms here), and the leak check collects twice per
+    multiprocess test, the tests themselves more (13% of the suite's time).
+    After the freeze a collection walks only what the tests made since."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     if any(nodeid.endswith(SDIST_TEST) for nodeid in ids):
