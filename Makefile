@@ -34,6 +34,7 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 
 .PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak device \
+	prepare-debian12 prepare-debian13 prepare-newest \
 	docs figures notebooks lint format lock lock-newest clean
 
 # Installs only the Debian packages that are missing.
@@ -99,6 +100,12 @@ test: build
 test-debian12 test-debian13: test-debian%:
 	$(call apt_install,$(LANE_DEBS))
 	scripts/debian_lane.sh $*
+
+# A Debian lane's packages, on the host or in its cached root, without the
+# suite (.ci/run prepares the later lanes beside the pip lane).
+prepare-debian12 prepare-debian13: prepare-debian%:
+	$(call apt_install,$(LANE_DEBS))
+	scripts/debian_lane.sh $* prepare
 
 # PEERS=0: no peers installed, and no peer columns (TORCHSHM_BENCH_PEERS).
 PEERS ?= 1
@@ -191,6 +198,8 @@ $(NEWEST_VENV)/.torchshm-built: $(SOURCES) $(NEWEST_VENV)/.stack-installed
 
 # --lane newest: what Python, NumPy and pandas can change (Note [What each
 # lane runs] in tests/conftest.py); the rest runs on the pip lane's torch.
+prepare-newest: $(NEWEST_VENV)/.stack-installed
+
 test-newest: $(NEWEST_VENV)/.torchshm-built
 	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS) --lane newest
 

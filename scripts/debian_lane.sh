@@ -5,6 +5,8 @@
 #
 #   scripts/debian_lane.sh 12   bookworm: torch 1.13, numpy 1.24, Python 3.11
 #   scripts/debian_lane.sh 13   trixie: torch 2.6, numpy 2.2, Python 3.13
+#   scripts/debian_lane.sh 13 prepare   only step 1 below (.ci/run does it
+#                                       early, beside another lane)
 #
 # On a host of that release (and TORCHSHM_LANE_CHROOT unset) it installs
 # PACKAGES with apt on the host. Otherwise:
@@ -32,12 +34,22 @@
 set -euo pipefail
 
 RELEASE=${1:-}
+ACTION=${2:-test}
+case "$ACTION" in
+test | prepare) ;;
+*)
+    [ "$RELEASE" = __bootstrap ] || {
+        echo "usage: $0 12|13 [prepare]" >&2
+        exit 2
+    }
+    ;;
+esac
 case "$RELEASE" in
 12) SUITE=bookworm ;;
 13) SUITE=trixie ;;
 __bootstrap | __test) ;;  # stages: the release comes in the environment
 *)
-    echo "usage: $0 12|13" >&2
+    echo "usage: $0 12|13 [prepare]" >&2
     exit 2
     ;;
 esac
@@ -283,6 +295,10 @@ __test) inside_test ;;
         HASH=$(printf '%s\n' "$SUITE" "$RECIPE_VERSION" "${PACKAGES[@]}" | sha256sum | cut -c1-16)
         export ROOT="$CACHE/$SUITE-$HASH"
         ensure_root
+    fi
+    if [ "$ACTION" = prepare ]; then
+        log "prepared in $((SECONDS - start)) s"
+        exit 0
     fi
     unshare --mount --propagation private -- "$SELF" __test
     log "lane wall time $((SECONDS - start)) s"
