@@ -16,7 +16,8 @@ MADE := $(VENV)/.pip-stack
 STACK := $(VENV)/.pip-stack-installed
 PEER_STACK := $(VENV)/.peers-installed
 BUILT := $(VENV)/.torchshm-built
-REQUIREMENTS := requirements/pip.txt requirements/tools.txt requirements/constraints.txt
+REQUIREMENTS := requirements/pip.txt requirements/tools.txt requirements/constraints.txt \
+	requirements/installer.txt
 # Compilers for the extension; util-linux for the unshare tests.
 DEBS := g++ util-linux
 LINT_DEBS := black flake8 clang-format
@@ -32,6 +33,15 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 # pip configuration can only conflict (this one caps torch below the pin): the
 # lane's installs set an empty constraint file in its place.
 PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
+# uv installs the pinned stacks into a venv (pip stays there, for the build
+# and a user's own installs): for exact pins it takes the wheels pip would,
+# fetched in parallel and hard-linked from its cache, so the newest lane's
+# venv shares the pip lane's NVIDIA libraries. From a cold cache the pip
+# lane's stack (3 GB) took 29 s here where pip took 5 minutes; uv reads no
+# pip configuration, so the machines' cap on torch does not apply to it.
+INSTALLER := requirements/installer.txt
+with_installer = $(call PIP,$(1)/bin/python) install -q -r $(INSTALLER) 2>&1 | $(QUIET_PIP)
+UV_INSTALL = $(1)/bin/uv pip install -q -p $(1)/bin/python
 
 .PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak device \
 	prepare-debian12 prepare-debian13 prepare-newest \
@@ -49,14 +59,13 @@ $(MADE): | deps
 	touch $@
 
 $(STACK): $(REQUIREMENTS) | $(MADE)
-	$(call PIP,$(PY)) install -q -r requirements/pip.txt -c requirements/constraints.txt \
-		2>&1 | $(QUIET_PIP)
+	$(call with_installer,$(VENV))
+	$(call UV_INSTALL,$(VENV)) -r requirements/pip.txt -c requirements/constraints.txt
 	touch $@
 
 # The peers `make bench` compares (Ray, Grain, tensordict): only for bench.
 $(PEER_STACK): requirements/peers.txt requirements/constraints.txt | $(STACK)
-	$(call PIP,$(PY)) install -q -r requirements/peers.txt -c requirements/constraints.txt \
-		2>&1 | $(QUIET_PIP)
+	$(call UV_INSTALL,$(VENV)) -r requirements/peers.txt -c requirements/constraints.txt
 	touch $@
 
 $(BUILT): $(SOURCES) $(STACK)
@@ -162,11 +171,12 @@ lock: | deps
 define lock_stack
 	rm -rf .venv-lock
 	$(1) -m venv .venv-lock
-	$(call PIP,.venv-lock/bin/python) install -q $(addprefix -r ,$(2)) 2>&1 | $(QUIET_PIP)
-	top=$$(cat $(2) requirements/tools.txt \
+	$(call with_installer,.venv-lock)
+	$(call UV_INSTALL,.venv-lock) $(addprefix -r ,$(2))
+	top=$$(cat $(2) requirements/tools.txt $(INSTALLER) \
 		| grep -Eo '^[A-Za-z0-9_.][A-Za-z0-9_.-]*' | paste -sd'|'); \
 	{ echo "# What $(3), pinned: written by \`make $@\`."; \
-	  .venv-lock/bin/pip freeze 2>/dev/null | grep -viE "^($$top)=="; \
+	  .venv-lock/bin/uv pip freeze -p .venv-lock/bin/python | grep -viE "^(pip|$$top)=="; \
 	} >$(4)
 	rm -rf .venv-lock
 endef
@@ -180,15 +190,16 @@ NEWEST_PYTHON ?= $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/
 NEWEST_VENV := .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_REQUIREMENTS := requirements/newest.txt requirements/tools.txt \
-	requirements/constraints-newest.txt
+	requirements/constraints-newest.txt requirements/installer.txt
 
 $(NEWEST_VENV)/.stack-installed: $(NEWEST_REQUIREMENTS) | deps
 	@test -x "$(NEWEST_PYTHON)" || { echo "test-newest: no Python 3.13 found;" \
 		"give one: make test-newest NEWEST_PYTHON=/path/to/python3.13" >&2; exit 1; }
 	rm -rf $(NEWEST_VENV)
 	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
-	$(call PIP,$(NEWEST_PY)) install -q -r requirements/newest.txt \
-		-c requirements/constraints-newest.txt 2>&1 | $(QUIET_PIP)
+	$(call with_installer,$(NEWEST_VENV))
+	$(call UV_INSTALL,$(NEWEST_VENV)) -r requirements/newest.txt \
+		-c requirements/constraints-newest.txt
 	touch $@
 
 $(NEWEST_VENV)/.torchshm-built: $(SOURCES) $(NEWEST_VENV)/.stack-installed
