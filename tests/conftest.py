@@ -60,6 +60,15 @@ MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 #   spawn: forkserver's children unpickle their arguments in a fresh
 #   interpreter as spawn's do (the late registration under test), without
 #   each importing torch again (a third of those lanes' time).
+# - spawn_one_case: a test whose other parameters are about what travels (a
+#   dtype, a size, which kind of array or column) runs its spawn children
+#   for the first of those cases only, fork and forkserver for every case. A
+#   spawn child imports torch itself (2-3 s each: the pip lane spent 650 of
+#   its 2,300 worker-seconds in spawn tests), and what spawn alone does (a
+#   fresh interpreter that imports torch only when a message needs it, an
+#   exit through sys.exit rather than os._exit) is the same for every dtype.
+#   A test whose parameters are about how workers start, register or exit
+#   (the remedies, the late import, the exit cases) keeps every case.
 LANES = {
     "pip": {"markers": (), "start_methods": START_METHODS},
     "debian": {"markers": ("any_stack",), "start_methods": ("fork", "forkserver")},
@@ -80,11 +89,30 @@ def pytest_addoption(parser):
     )
 
 
+def _start_methods(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return [params.get(k) for k in MULTIPROCESS_FIXTURES if k in params]
+
+
+def _spawn_cases_beyond_the_first(items):
+    """The spawn items of each spawn_one_case test but its first (Note [What
+    each lane runs])."""
+    seen, beyond = set(), []
+    for item in items:
+        if item.get_closest_marker("spawn_one_case") and "spawn" in _start_methods(
+            item
+        ):
+            test = (item.parent.nodeid, item.originalname)
+            if test in seen:
+                beyond.append(item)
+            seen.add(test)
+    return beyond
+
+
 def _left_to_another_lane(item, lane):
     if any(item.get_closest_marker(m) for m in lane["markers"]):
         return True
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    methods = [params.get(k) for k in MULTIPROCESS_FIXTURES if k in params]
+    methods = _start_methods(item)
     return any(m in START_METHODS and m not in lane["start_methods"] for m in methods)
 
 
@@ -98,6 +126,11 @@ def add_markers(config):
         "markers",
         "torch_os: depends on torch and the OS only; not the newest lane (Note"
         " [What each lane runs] in tests/conftest.py)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "spawn_one_case: spawn runs the first of the other parameters' cases"
+        " only (Note [What each lane runs] in tests/conftest.py)",
     )
     config.addinivalue_line(
         "markers",
@@ -138,6 +171,8 @@ def pytest_collection_modifyitems(session, config, items):
     xdist the controller starts it, once, when a worker has collected it."""
     lane = LANES[config.getoption("--lane")]
     left = [item for item in items if _left_to_another_lane(item, lane)]
+    left += _spawn_cases_beyond_the_first(items)
+    left = list({id(item): item for item in left}.values())
     if left:
         config.hook.pytest_deselected(items=left)
         gone = {id(item) for item in left}

@@ -166,6 +166,7 @@ def test_a_batch_in_one_segment_goes_as_one_copy(fake_cuda, ctx, child):
         )
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("stream", ["current", "side"])
 def test_a_copy_torchshm_did_not_issue_holds_the_batch_too(
     fake_cuda, ctx, child, stream

@@ -45,6 +45,7 @@ def shared_table(kind):
     return table, _C.segment_of(int8_tensor_over(untyped_storage(table)))
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("kind", ["array", "tensor"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_ten_thousand_messages_in_flight_naming_one_segment_all_arrive(method, kind):

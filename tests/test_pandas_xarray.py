@@ -49,6 +49,7 @@ def test_frame_with_every_column_kind(ctx, no_leaks, child):
     assert got_frame["nullable"].isna().sum() == frame["nullable"].isna().sum()
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("kind", ["dataset", "dataarray"])
 def test_xarray_with_coordinates_and_negative_steps(ctx, no_leaks, child, kind):
     sent = ic.make_sample(kind, 2)
@@ -163,6 +164,7 @@ def in_segment(buffer):
     return False
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("arrow", [False, True], ids=["numpy-backed", "arrow"])
 def test_pandas3_column_kinds_arrive_equal(ctx, no_leaks, child, arrow):
     if arrow:

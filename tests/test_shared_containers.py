@@ -683,6 +683,7 @@ def test_share_names_the_unpicklable_item():
         torchshm.share(data, containers=True, min_items=-1)
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("containers", [False, True])
 def test_a_child_writes_what_share_made_and_the_parent_sees_it(ctx, child, containers):
     """share(containers=True) shares as share() does: arrays written through

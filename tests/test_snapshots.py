@@ -99,6 +99,7 @@ def test_no_receiver_sees_another_receivers_writes_nor_does_the_sender(ctx, chil
     assert copied == [0, 0]
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_an_array_changed_between_sends_arrives_changed(where, ctx, child):
     sent = model()
@@ -124,6 +125,7 @@ def test_an_array_changed_between_sends_arrives_changed(where, ctx, child):
         assert c.close() == 0
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("kind", ["snapshot", "shared", "small"])
 def test_a_write_to_a_received_read_only_array_stays_in_its_process(kind, ctx, child):
     """NumPy's flag stays, but torch (and the int8 .base) can write a

@@ -55,6 +55,7 @@ def variants():
     }
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("name", list(variants()))
 def test_a_tensor_arrives_as_torch_rebuilds_it_through_torchshm(
     ctx, child, switch_on, name
@@ -171,6 +172,7 @@ def test_past_its_fd_share_the_sender_falls_back_to_torch_once(child, ctx):
 # Small storages: blocks of slabs (Note [Small storages] in csrc/send/tensors.h) --
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("nbytes", [4, 4096, 64 << 10])
 def test_a_small_storage_is_a_block_of_a_slab_shared_both_ways(
     ctx, child, switch_on, nbytes
@@ -402,6 +404,7 @@ class Samples(Dataset):
         return torch.full((4096,), float(i))
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("kind", ["numpy", "tensor"])
 def test_default_collate_batches_are_made_in_torchshm_memory(ctx, switch_on, kind):
     loader = DataLoader(
@@ -430,6 +433,7 @@ def test_a_pickle_to_a_file_stays_by_value(switch_on):
     assert not in_segment(tensor)
 
 
+@pytest.mark.spawn_one_case
 @pytest.mark.parametrize("switch", [False, True])
 @pytest.mark.parametrize("forwarder_writes", [True, False])
 def test_a_received_arrays_base_sent_on_carries_its_bytes_and_no_one_elses(
