@@ -246,10 +246,10 @@ if [ -n "$LANE_COMMAND" ]; then
 fi
 start=$SECONDS
 status=0
-# --lane debian: what this stack can change (Note [What each lane runs] in
-# tests/conftest.py).
+# --lane debian12 or debian13: what this stack can change (Note [What each
+# lane runs] in tests/conftest.py).
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-"$LANE/venv/bin/python" -m pytest -p no:cacheprovider --lane debian $PYTEST_ARGS || status=$?
+"$LANE/venv/bin/python" -m pytest -p no:cacheprovider --lane "debian$LANE_RELEASE" $PYTEST_ARGS || status=$?
 echo "[debian $LANE_RELEASE lane] test suite: $((SECONDS - start)) s" >&2
 exit $status
 EOF2

@@ -54,8 +54,14 @@ MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 #   (the docs, notebooks, packaging and tooling, each run on the pip lane's
 #   stack): the pip lane only.
 # - torch_os: what depends on torch and the OS, not on Python's, NumPy's or
-#   pandas' version (torch's tensors, the keeper, faults and limits, handles,
-#   the GPU path): not the newest lane, whose torch is the pip lane's.
+#   pandas' version (torch's tensors, limits, handles, the GPU path): not the
+#   newest lane, whose torch is the pip lane's.
+# - python_os: the session keeper and what goes wrong around it (its death,
+#   stops and fd limits, faults, planted files): torchshm's own processes,
+#   fds and files, which change with Python (its fork, exit and threads) and
+#   the kernel, every lane's, and meet torch and NumPy where every other
+#   test does. The pip lane (Python 3.11) and Debian 13 (3.13) only: Debian
+#   12's Python is the pip lane's 3.11, the newest lane's Debian 13's 3.13.
 # - The Debian and newest lanes start children by fork and forkserver, not
 #   spawn: forkserver's children unpickle their arguments in a fresh
 #   interpreter as spawn's do (the late registration under test), without
@@ -69,12 +75,17 @@ MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 #   exit through sys.exit rather than os._exit) is the same for every dtype.
 #   A test whose parameters are about how workers start, register or exit
 #   (the remedies, the late import, the exit cases) keeps every case.
+FORK_AND_FORKSERVER = ("fork", "forkserver")
 LANES = {
     "pip": {"markers": (), "start_methods": START_METHODS},
-    "debian": {"markers": ("any_stack",), "start_methods": ("fork", "forkserver")},
+    "debian12": {
+        "markers": ("any_stack", "python_os"),
+        "start_methods": FORK_AND_FORKSERVER,
+    },
+    "debian13": {"markers": ("any_stack",), "start_methods": FORK_AND_FORKSERVER},
     "newest": {
-        "markers": ("any_stack", "torch_os"),
-        "start_methods": ("fork", "forkserver"),
+        "markers": ("any_stack", "torch_os", "python_os"),
+        "start_methods": FORK_AND_FORKSERVER,
     },
 }
 
@@ -126,6 +137,11 @@ def add_markers(config):
         "markers",
         "torch_os: depends on torch and the OS only; not the newest lane (Note"
         " [What each lane runs] in tests/conftest.py)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "python_os: depends on Python and the OS only; the pip and Debian 13"
+        " lanes (Note [What each lane runs] in tests/conftest.py)",
     )
     config.addinivalue_line(
         "markers",

@@ -22,9 +22,9 @@ from tests import isolated
 from tests.conftest import TIMEOUT
 from torchshm._keeper import paths as _paths
 
-# torch and the OS only: not the newest lane (Note [What each lane
-# runs] in tests/conftest.py).
-pytestmark = pytest.mark.torch_os
+# The keeper's Python and the OS: the pip and Debian 13 lanes only (Note
+# [What each lane runs] in tests/conftest.py).
+pytestmark = pytest.mark.python_os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER_UID = 65534  # nobody

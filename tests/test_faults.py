@@ -12,9 +12,9 @@ from tests.conftest import TIMEOUT, bounded
 
 # Every test here starts processes or checks memory they share: each gets
 # the leak check (tests/conftest.py).
-# torch and the OS only: not the newest lane (Note [What each lane
-# runs] in tests/conftest.py).
-pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_os]
+# The keeper's Python and the OS: the pip and Debian 13 lanes only (Note
+# [What each lane runs] in tests/conftest.py).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.python_os]
 
 
 @pytest.mark.parametrize("n", [1_000, 5_000_000])

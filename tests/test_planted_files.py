@@ -32,10 +32,10 @@ from torchshm._lifetime import session as _session
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OTHER_UID = 65534  # nobody
 
-# torch and the OS only: not the newest lane (Note [What each lane
-# runs] in tests/conftest.py).
+# The keeper's Python and the OS: the pip and Debian 13 lanes only (Note
+# [What each lane runs] in tests/conftest.py).
 pytestmark = [
-    pytest.mark.torch_os,
+    pytest.mark.python_os,
     pytest.mark.skipif(
         os.geteuid() != 0, reason="planting another user's files needs root (chown)"
     ),
