@@ -35,19 +35,12 @@ set -euo pipefail
 
 RELEASE=${1:-}
 ACTION=${2:-test}
-case "$ACTION" in
-test | prepare) ;;
-*)
-    [ "$RELEASE" = __bootstrap ] || {
-        echo "usage: $0 12|13 [prepare]" >&2
-        exit 2
-    }
-    ;;
-esac
-case "$RELEASE" in
-12) SUITE=bookworm ;;
-13) SUITE=trixie ;;
-__bootstrap | __test) ;;  # stages: the release comes in the environment
+case "$RELEASE:$ACTION" in
+12:test | 12:prepare) SUITE=bookworm ;;
+13:test | 13:prepare) SUITE=trixie ;;
+# Stages: the release comes in the environment; __bootstrap's second
+# argument is the root it builds.
+__bootstrap:* | __test:test) ;;
 *)
     echo "usage: $0 12|13 [prepare]" >&2
     exit 2
