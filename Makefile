@@ -39,9 +39,12 @@ PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 # venv shares the pip lane's NVIDIA libraries. From a cold cache the pip
 # lane's stack (3 GB) took 29 s here where pip took 5 minutes; uv reads no
 # pip configuration, so the machines' cap on torch does not apply to it.
+# --compile-bytecode, as pip does: these machines set PYTHONDONTWRITEBYTECODE,
+# so a module not compiled at install is compiled again by every process that
+# imports it (torch: seconds in each test's child).
 INSTALLER := requirements/installer.txt
 with_installer = $(call PIP,$(1)/bin/python) install -q -r $(INSTALLER) 2>&1 | $(QUIET_PIP)
-UV_INSTALL = $(1)/bin/uv pip install -q -p $(1)/bin/python
+UV_INSTALL = $(1)/bin/uv pip install -q --compile-bytecode -p $(1)/bin/python
 
 .PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak device \
 	prepare-debian12 prepare-debian13 prepare-newest \
