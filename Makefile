@@ -36,9 +36,10 @@ PIP = PIP_CONSTRAINT=/dev/null $(1) -m pip
 # uv installs the pinned stacks into a venv (pip stays there, for the build
 # and a user's own installs): for exact pins it takes the wheels pip would,
 # fetched in parallel and hard-linked from its cache, so the newest lane's
-# venv shares the pip lane's NVIDIA libraries. From a cold cache the pip
-# lane's stack (3 GB) took 29 s here where pip took 5 minutes; uv reads no
-# pip configuration, so the machines' cap on torch does not apply to it.
+# venv shares the pip lane's NVIDIA libraries. From a cold cache it fetched
+# and unpacked the pip lane's stack (3 GB) in 29 s here, where pip took about
+# 5 minutes (that before bytecode, below); uv reads no pip configuration, so
+# the machines' cap on torch does not apply to it.
 # --compile-bytecode, as pip does: these machines set PYTHONDONTWRITEBYTECODE,
 # so a module not compiled at install is compiled again by every process that
 # imports it (torch: seconds in each test's child).

@@ -186,13 +186,11 @@ def pytest_collection_modifyitems(session, config, items):
     background, and the test runs last, when the build is likely done. Under
     xdist the controller starts it, once, when a worker has collected it."""
     lane = LANES[config.getoption("--lane")]
-    left = [item for item in items if _left_to_another_lane(item, lane)]
-    left += _spawn_cases_beyond_the_first(items)
-    left = list({id(item): item for item in left}.values())
+    left = {id(item): item for item in items if _left_to_another_lane(item, lane)}
+    left.update((id(item), item) for item in _spawn_cases_beyond_the_first(items))
     if left:
-        config.hook.pytest_deselected(items=left)
-        gone = {id(item) for item in left}
-        items[:] = [item for item in items if id(item) not in gone]
+        config.hook.pytest_deselected(items=list(left.values()))
+        items[:] = [item for item in items if id(item) not in left]
     sdist = [item for item in items if item.nodeid.endswith(SDIST_TEST)]
     if sdist and not config.option.collectonly:
         items[:] = [item for item in items if item not in sdist] + sdist
