@@ -138,6 +138,7 @@ COLORS = {
     "torchshm_initializer": "#ff9896",
     "torch_torchshm": "#f7b6d2",
     "torch": "#9467bd",
+    "torch_again": "#dbc8e8",
     "torch_fs": "#c5b0d5",
     "pipe": "#7f7f7f",
     "pipe_again": "#c7c7c7",
@@ -170,6 +171,7 @@ SCENARIO_LABELS = {
         "torchshm": "np.stack + torchshm",
         "torch": "default collate, torch",
         "torch_torchshm": "default collate via torchshm",
+        "torch_again": "default collate, torch again (A/A)",
     },
 }
 

@@ -5,14 +5,15 @@ workers, its main process reading one float per page of every batch (a
 training step that looked at its batch). Worker counts from 1 up to the
 machine's cores less one (1 and 2 on a 2-core machine, up to 14 on a 16-core
 one). Each (method, workers) runs in a fresh interpreter, so that "torch"
-never sees torchshm:
+never sees torchshm, the methods in turn, three rounds:
 
 - torch: the default collate without torchshm (its batches through torch's
   own /dev/shm files);
 - default via torchshm: the default collate with torchshm's tensor switch on
   (TORCHSHM_TENSORS=1): its batches are made in pooled torchshm segments;
 - torchshm.collate: NumPy batches stacked into one torchshm segment each;
-- np.stack + torchshm: NumPy batches stacked in the worker, snapshotted.
+- np.stack + torchshm: NumPy batches stacked in the worker, snapshotted;
+- torch again: "torch" once more, the A/A control.
 
 Beside the epoch time, GB/s of samples and the main process's CPU time per
 batch. Copies to the GPU are not measured here: that needs CUDA.
@@ -20,6 +21,7 @@ batch. Copies to the GPU are not measured here: that needs CUDA.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,9 +29,14 @@ import time
 NAME = "dataloader_scale"
 SHAPE = (256, 1024)  # 1 MiB of float32
 BATCH = 32
-METHODS = ("torch", "torch_torchshm", "torchshm_collate", "torchshm")
+ROUNDS = 3
+# torch_again: torch's default collate once more, the A/A control (a ratio
+# within its spread of 1 is no difference).
+METHODS = ("torch", "torch_torchshm", "torchshm_collate", "torchshm", "torch_again")
+TORCH_ALONE = ("torch", "torch_again")  # never import torchshm
 GBPS_NAMES = {
     "torch": "torch",
+    "torch_again": "torch again (A/A)",
     "torch_torchshm": "default via torchshm",
     "torchshm_collate": "torchshm.collate",
     "torchshm": "np.stack + torchshm",
@@ -50,8 +57,8 @@ def one(method, workers, samples, epochs):
     import numpy as np
     import torch.utils.data as tud
 
-    collate = {"torch": tud.default_collate, "torch_torchshm": tud.default_collate}
-    if method != "torch":
+    collate = {m: tud.default_collate for m in TORCH_ALONE + ("torch_torchshm",)}
+    if method not in TORCH_ALONE:
         import torchshm
 
         collate["torchshm_collate"] = torchshm.collate
@@ -111,7 +118,7 @@ def measure(method, workers, samples, epochs):
 def run(quick, bar):
     from benchmarks.report import Result
 
-    samples, epochs = (128, 2) if quick else (1024, 4)
+    samples, epochs, rounds = (128, 2, 1) if quick else (1024, 4, ROUNDS)
     counts = worker_counts(os.cpu_count() or 1)
     epoch_bytes = samples * SHAPE[0] * SHAPE[1] * 4
     result = Result(
@@ -119,27 +126,39 @@ def run(quick, bar):
         f"17. DataLoader by worker count, {samples} samples of 1 MiB, batch {BATCH}",
         notes=[
             "Epoch time, persistent fork workers, the main process reading one"
-            f" float per page; median [min-max] of epochs 2..{epochs + 1}, each"
-            " method in a fresh interpreter. GB/s of samples per epoch; main"
+            f" float per page; median [min-max] of epochs 2..{epochs + 1} of"
+            f" {rounds} round(s), each method in a fresh interpreter per round, the"
+            " methods in turn. GB/s of samples per epoch; main"
             " CPU: the main process's CPU milliseconds per batch.",
             "To the GPU: not measured here (no CUDA).",
         ],
     )
-    bar.reset(total=len(METHODS) * len(counts))
+    bar.reset(total=len(METHODS) * len(counts) * rounds)
     for workers in counts:
         case = f"{workers} worker{'s' if workers > 1 else ''}"
-        for method in METHODS:
-            try:
-                got = measure(method, workers, samples, epochs)
-            except Exception as exc:  # noqa: BLE001 - the table shows it
-                result.fail(case, method, f"{type(exc).__name__}: {exc}")
+        seconds, cpu = {m: [] for m in METHODS}, {m: [] for m in METHODS}
+        # Round-robin: each method's interpreter in turn, ROUNDS times, so
+        # that the machine's drift (on 2 cores, torch alone took 250-301 ms an epoch in
+        # three runs in a row) hits every method alike.
+        for _ in range(rounds):
+            for method in METHODS:
+                if (case, method) not in result.failures:
+                    try:
+                        got = measure(method, workers, samples, epochs)
+                    except Exception as exc:  # noqa: BLE001 - the table shows it
+                        result.fail(case, method, f"{type(exc).__name__}: {exc}")
+                    else:
+                        seconds[method] += got["seconds"][1:]  # less its warm-up
+                        cpu[method].append(got["cpu_per_batch"])
                 bar.update()
+        for method in METHODS:
+            if (case, method) in result.failures:
                 continue
-            row = result.add(case, method, got["seconds"])
+            row = result.add(case, method, seconds[method], warmup=0)
             name = GBPS_NAMES[method]
             result.extra(case, f"GB/s {name}", epoch_bytes / row["median"] / 1e9)
-            result.extra(case, f"main CPU ms {name}", got["cpu_per_batch"] * 1e3)
-            bar.update()
+            main_cpu = statistics.median(cpu[method]) * 1e3
+            result.extra(case, f"main CPU ms {name}", main_cpu)
         torch_row = result.get(case, "torch")
         for method in METHODS[1:]:
             row = result.get(case, method)
