@@ -414,6 +414,15 @@ def sender(method):
     return _senders[method]
 
 
+def close_sender(method):
+    """Ends `method`'s sender (the next use starts another) and hands back
+    the memory this process kept mapped from it, so that the next method's
+    first send finds the machine as this one found it."""
+    if method in _senders:
+        _senders.pop(method).close()
+    torchshm.trim()
+
+
 def close_senders(peers_only=False):
     """Closes the senders (only the peers' between scenarios: Ray's daemons
     would otherwise use CPU under scenarios that do not measure it)."""
