@@ -39,9 +39,9 @@ def run(quick, bar):
             lambda: sender(method).measure(make_arange, (n,), sends),
         )
         # A first send takes fresh pages, whose cost on a VM depends on what
-        # the machine holds: each method's first send after the last
-        # method's memory went back (an idle pool of 400 MB segments in
-        # its sender, the mappings cached here), not only the first one's.
+        # the machine holds: the next method's first send starts after this
+        # method's memory went back (its sender's idle pool of 400 MB
+        # segments, the mappings cached here), as the first method's did.
         close_sender(method)
         bar.update()
         if seconds is None:

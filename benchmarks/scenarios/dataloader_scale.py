@@ -137,9 +137,9 @@ def run(quick, bar):
     for workers in counts:
         case = f"{workers} worker{'s' if workers > 1 else ''}"
         seconds, cpu = {m: [] for m in METHODS}, {m: [] for m in METHODS}
-        # Round-robin: each method's interpreter in turn, ROUNDS times, so
-        # that the machine's drift (on 2 cores, torch alone took 250-301 ms an epoch in
-        # three runs in a row) hits every method alike.
+        # Round-robin: each method's interpreter in turn, `rounds` times, so
+        # that the machine's drift (on 2 cores, torch alone took 250-301 ms
+        # an epoch in three runs in a row) hits every method alike.
         for _ in range(rounds):
             for method in METHODS:
                 if (case, method) not in result.failures:
