@@ -49,7 +49,18 @@ IGNORED_DIRS = {
 }
 IGNORED_FILES = {"_build_info.json"}
 # What the sdist must carry (every file of these kinds in the checkout).
-SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".toml", ".in", ".md", ".ipynb", ".sh"}
+SOURCE_SUFFIXES = {
+    ".py",
+    ".cpp",
+    ".h",
+    ".toml",
+    ".in",
+    ".md",
+    ".ipynb",
+    ".sh",
+    ".txt",  # requirements/: the sdist's Makefile installs from them
+    ".json",  # tests/data, docs/figures
+}
 
 
 def ignore(directory, names):
