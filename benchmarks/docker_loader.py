@@ -18,6 +18,7 @@ its batches go through /dev/shm as SharedMemoryArrays.
 """
 
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -33,6 +34,12 @@ SAMPLE_FLOATS = (2 << 20) // 4  # 2 MiB of float32
 TENSOR_FLOATS = (256 << 10) // 4  # 256 KiB: torch's share per sample
 BATCH = 8
 WORKERS = 4
+# How the workers start: spawn, as issue 20's loader did. The suite runs
+# most of its loaders with forkserver (TORCHSHM_BENCH_LOADER_START): each
+# spawn worker imports torch itself, 4 of them 10 s of CPU a run.
+START = os.environ.get("TORCHSHM_BENCH_LOADER_START", "spawn")
+if START == "forkserver":  # as benchmarks/transports.py's senders
+    multiprocessing.set_forkserver_preload(["numpy", "torch", "torch.utils.data"])
 TIMEOUT = 60  # a batch lost in a worker's feeder thread would hang the loop
 
 
@@ -136,8 +143,9 @@ def run(method, samples, epochs, hold=False):
     collate, register, kind, tensors = METHODS[method]
     if not register:
         torchshm.unregister()
-        # The spawn workers import this module, and so torchshm: the
-        # environment they inherit keeps it from registering there.
+        # The workers import this module, and so torchshm (a forkserver
+        # imports it once): the environment they inherit keeps it from
+        # registering there.
         os.environ["TORCHSHM_DISABLE"] = "1"
     elif tensors is not None:
         torchshm.register(tensors=tensors)  # the workers inherit the switch
@@ -147,7 +155,7 @@ def run(method, samples, epochs, hold=False):
         num_workers=WORKERS,
         prefetch_factor=2,
         persistent_workers=True,
-        multiprocessing_context="spawn",
+        multiprocessing_context=START,
         worker_init_fn=torchshm.worker_init_fn if register else None,
         collate_fn=collate,
         timeout=TIMEOUT,

@@ -17,7 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 # Every array of at least one byte is shared, so small test arrays exercise the
 # shared path; set before torchshm is imported so that children inherit it.
 os.environ.setdefault("TORCHSHM_THRESHOLD", "1")
-# Under pytest-xdist (`make test` runs two workers) each worker is a session
+# Under pytest-xdist (`make test` runs three workers) each worker is a session
 # of its own, as a separately launched program is: the leak check counts
 # this session's segments, which the other worker's tests must not move. Only
 # the worker itself leaves the inherited session: its children that import

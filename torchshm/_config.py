@@ -101,6 +101,7 @@ SETTINGS = {
 # benchmarks, the lanes): not settings, never taken for misspelled ones.
 TOOL_VARIABLES = {
     "TORCHSHM_API_JSON",
+    "TORCHSHM_BENCH_LOADER_START",
     "TORCHSHM_BENCH_PEERS",
     "TORCHSHM_BENCH_QUICK",
     "TORCHSHM_BENCH_RECORDS",
