@@ -29,6 +29,7 @@ import torch
 import torch.utils.data
 
 import torchshm
+from benchmarks.transports import SENDER_PRELOAD
 
 SAMPLE_FLOATS = (2 << 20) // 4  # 2 MiB of float32
 TENSOR_FLOATS = (256 << 10) // 4  # 256 KiB: torch's share per sample
@@ -38,8 +39,8 @@ WORKERS = 4
 # most of its loaders with forkserver (TORCHSHM_BENCH_LOADER_START): each
 # spawn worker imports torch itself, 4 of them 10 s of CPU a run.
 START = os.environ.get("TORCHSHM_BENCH_LOADER_START", "spawn")
-if START == "forkserver":  # as benchmarks/transports.py's senders
-    multiprocessing.set_forkserver_preload(["numpy", "torch", "torch.utils.data"])
+if START == "forkserver":  # what the benchmarks' senders preload
+    multiprocessing.set_forkserver_preload(SENDER_PRELOAD)
 TIMEOUT = 60  # a batch lost in a worker's feeder thread would hang the loop
 
 
@@ -143,9 +144,8 @@ def run(method, samples, epochs, hold=False):
     collate, register, kind, tensors = METHODS[method]
     if not register:
         torchshm.unregister()
-        # The workers import this module, and so torchshm (a forkserver
-        # imports it once): the environment they inherit keeps it from
-        # registering there.
+        # The workers import this module, and so torchshm: the
+        # environment they inherit keeps it from registering there.
         os.environ["TORCHSHM_DISABLE"] = "1"
     elif tensors is not None:
         torchshm.register(tensors=tensors)  # the workers inherit the switch

@@ -148,8 +148,8 @@ def _loader_in_small_shm(
 ):
     """benchmarks/docker_loader.py's JSON for one run in a private 64 MiB
     /dev/shm (the DataLoader of issue 20: 4 workers, 2 MiB samples), its
-    workers started by `start`: forkserver, but for one test with spawn
-    (issue 20's), whose workers each import torch (10 s of CPU a run).
+    workers started by `start`: forkserver but in one case, since spawn's
+    workers each import torch (10 s of CPU a run).
     With `may_hang` (torch alone), a loader that printed its result and does
     not exit within EXIT_GRACE (torch's DataLoader, on Debian 13's torch 2.6,
     once a worker died of the full /dev/shm) is killed: its result stands."""
@@ -211,7 +211,7 @@ LOADER_TEST_TIMEOUT = 8 * TIMEOUT
 @pytest.mark.timeout(LOADER_TEST_TIMEOUT)
 @pytest.mark.parametrize("method", ["torchshm_collate", "torchshm"])
 def test_a_dataloader_in_a_64_mib_dev_shm_completes_without_a_warning(method):
-    # spawn once: issue 20's loader, whose workers register by worker_init_fn.
+    # One case with spawn workers, as issue 20's loader started them.
     start = "spawn" if method == "torchshm" else "forkserver"
     result = _loader_in_small_shm(method, start=start)
     assert result["completed"], result.get("error")
