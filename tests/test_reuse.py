@@ -2,6 +2,7 @@
 data someone still reads; memory stays bounded."""
 
 import gc
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -37,6 +38,41 @@ def test_repeated_sends_reuse_one_segment_and_one_mapping(ctx, no_leaks, child):
     assert sender["segments_created"] == 1
     assert sender["segments_reused"] == rounds - 1
     assert torchshm.stats()["mappings_reused"] - before["mappings_reused"] == rounds - 1
+
+
+def test_a_view_that_dies_while_another_thread_holds_the_lock_keeps_its_mapping(
+    ctx, no_leaks, child
+):
+    # Its last view dies while another thread holds torchshm's lock (a
+    # pin_memory thread receiving; the expiry timer's tick): the mapping is
+    # still cached, and the next message reuses it (Note [Work for the
+    # lock's holder] in torchshm/_lifetime/holdings.py).
+    c = child(ctx, children.send_fresh_each_round, 2, 300_000)
+    received = c.receive()
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock():
+        with _holdings.lock:
+            held.set()
+            done.wait(TIMEOUT)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(TIMEOUT)
+    del received  # its keep() finds the lock busy
+    done.set()
+    holder.join(TIMEOUT)
+    before = torchshm.stats()
+    c.send("ack")
+    again = c.receive()
+    assert (again == 1).all()
+    after = torchshm.stats()
+    assert after["mappings_reused"] - before["mappings_reused"] == 1
+    assert after["segments_attached"] == before["segments_attached"]
+    del again
+    c.send("ack")
+    assert c.receive()["segments_reused"] == 1
+    assert c.close() == 0
 
 
 def test_a_segment_in_use_is_never_reused():

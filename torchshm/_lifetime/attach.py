@@ -216,6 +216,18 @@ def _on_last_view(name, segment, slot):
     after this callback) unlinks it, and a cached mapping would only pin its
     pages."""
 
+    def keep_under_lock():
+        if _holdings.exiting or sys.is_finalizing():
+            return
+        _holdings.live.forget_if_dead(name)
+        if (
+            not segment.unlinked
+            and _mappings.get(name) is None
+            and segment.has_live_holder(slot)
+        ):
+            _mappings.keep(name, segment, _config.mapping_cache_bytes())
+            _expiry.timer.ensure()
+
     def keep(_):
         # Before the lock: at interpreter exit a daemon thread may have died
         # holding it (_lifecycle's exit), and keeping a mapping then is
@@ -223,22 +235,10 @@ def _on_last_view(name, segment, slot):
         if _holdings.exiting or sys.is_finalizing():
             return
         # Never waits for the lock: this runs in whatever thread let go of
-        # the last view (a garbage collection anywhere), and that may be a
-        # thread whose start the lock's holder awaits (Thread.start() in
-        # _expiry.ensure, under the lock): waiting hung both. Without the
-        # lock the mapping is not cached, only unmapped with its view.
-        if not _holdings.lock.acquire(blocking=False):
-            return
-        try:
-            _holdings.live.forget_if_dead(name)
-            if (
-                not segment.unlinked
-                and _mappings.get(name) is None
-                and segment.has_live_holder(slot)
-            ):
-                _mappings.keep(name, segment, _config.mapping_cache_bytes())
-                _expiry.timer.ensure()
-        finally:
-            _holdings.lock.release()
+        # the last view, which may be one the lock's holder awaits. A busy
+        # lock's holder keeps the mapping at its release instead (Note
+        # [Work for the lock's holder] in holdings.py); by then the view's
+        # slot is released, which the checks above allow for.
+        _holdings.lock.defer(keep_under_lock)
 
     return keep

@@ -113,8 +113,9 @@ def _after_fork_in_parent():
     _for_child.clear()
     _C.after_fork_in_parent()
     # Not restarted here: Python 3.13 counts threads for its fork warning
-    # after these hooks ran. The next send or receive restarts it.
-    _holdings.lock.release()
+    # after these hooks ran. The next send or receive restarts it, and
+    # does the work queued meanwhile (Note [Work for the lock's holder]).
+    _holdings.lock.release(run_deferred=False)
 
 
 def _after_fork_in_child():
