@@ -28,6 +28,8 @@ from torchshm._native import _C
 # behind while nobody holds the lock. One exception: the release after a
 # fork, in the parent, leaves it to the next send or receive, which starts
 # the expiry timer again anyway (no thread may start in that hook).
+# _handles does the same by hand for its plain Lock (_dead, _locked,
+# _drop_dead_if_free); it could take this class instead.
 
 
 class DeferringLock:
