@@ -6,9 +6,10 @@ checks and the GPU scenario, and writes what they found into OUT.
 
 Steps, each with its log in OUT:
 1. build: `pip install --no-build-isolation --no-deps -e .` with this Python
-   and CXX (default g++-12: the device image's own compiler links libstdc++
-   statically, which crashes with torch: facts section 13), MAX_JOBS = the
-   cores (build.log);
+   and --cxx (default g++-12, as compiler and linker, whatever $CXX and $CC
+   say: the device image sets them to its /opt/gcc wrapper, which links
+   libstdc++ statically and crashes with torch: facts section 13), MAX_JOBS =
+   the cores (build.log);
 2. the CUDA-only checks, tests/device_checks.py (checks.log);
 3. the GPU scenario, `python -m benchmarks.gpu` (gpu.json, gpu.md).
 Then summary.md (the three results and the table) and device.json. The
@@ -38,6 +39,9 @@ def parse_args(argv=None):
         "--fake", action="store_true", help="no GPU: the scenario's harness only"
     )
     parser.add_argument("--no-build", action="store_true", help="built already")
+    parser.add_argument(
+        "--cxx", default="g++-12", help="the compiler and linker (not $CXX)"
+    )
     parser.add_argument(
         "--workers", default=None, help="the scenario's worker counts, e.g. 1,4,14"
     )
@@ -117,8 +121,15 @@ def main(argv=None):
         "steps": {},
     }
     if not (args.fake or args.no_build):
+        # The image sets CXX=/opt/gcc/bin/g++ and CC=/opt/gcc/bin/gcc (the
+        # static wrapper), and setuptools links with LDCXXSHARED or LDSHARED
+        # (derived from CC): all three name --cxx, whatever the environment.
         build_env = dict(
-            env, CXX=env.get("CXX", "g++-12"), MAX_JOBS=str(os.cpu_count())
+            env,
+            CXX=args.cxx,
+            LDSHARED=f"{args.cxx} -shared",
+            LDCXXSHARED=f"{args.cxx} -shared",
+            MAX_JOBS=str(os.cpu_count()),
         )
         results["steps"]["build"] = step(
             "build",
