@@ -180,6 +180,8 @@ def one(method, workers, samples, epochs, fake=False):
         indices = [(first + k) % POOL for k in range(BATCH)]
         wrong += not torch.allclose(got, want[indices], rtol=1e-5)
     del loader
+    if method == "torch_pin" and "torchshm" in sys.modules:
+        raise RuntimeError("torch's own path ran with torchshm imported")
     figures = {
         "seconds": seconds[1:],
         "cpu_per_batch": cpu / max(count, 1),
@@ -195,7 +197,9 @@ def one(method, workers, samples, epochs, fake=False):
 
 def measure(method, workers, samples, epochs, fake=False):
     """one() in a fresh interpreter; raises with its stderr if it fails."""
-    command = [sys.executable, "-m", "benchmarks.gpu", "--one", method]
+    # The file, not the module: importing the benchmarks package imports
+    # torchshm (other scenarios do), whose reducers would then carry torch's.
+    command = [sys.executable, os.path.abspath(__file__), "--one", method]
     command += [str(workers), str(samples), str(epochs)] + (["fake"] if fake else [])
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]

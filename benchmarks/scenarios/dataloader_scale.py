@@ -96,23 +96,29 @@ def one(method, workers, samples, epochs):
         if epoch > 0:
             cpu += time.process_time() - used
     del loader
-    print(json.dumps({"seconds": seconds, "cpu_per_batch": cpu / max(batches, 1)}))
+    figures = {"seconds": seconds, "cpu_per_batch": cpu / max(batches, 1)}
+    figures["torchshm_imported"] = "torchshm" in sys.modules
+    print(json.dumps(figures))
 
 
 def measure(method, workers, samples, epochs):
     """one() in a fresh interpreter; raises with its stderr if it fails."""
+    # The file, not the module: importing the benchmarks package imports
+    # torchshm (other scenarios do), whose reducers would then carry "torch".
     run = subprocess.run(
-        [sys.executable, "-m", __name__, method, str(workers), str(samples)]
-        + [str(epochs)],
+        [sys.executable, os.path.abspath(__file__), method, str(workers)]
+        + [str(samples), str(epochs)],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode != 0 or not lines:
         raise RuntimeError(run.stderr.strip()[-300:] or f"exit {run.returncode}")
-    return json.loads(lines[-1])
+    figures = json.loads(lines[-1])
+    if method in TORCH_ALONE and figures["torchshm_imported"]:
+        raise RuntimeError("torch's own path ran with torchshm imported")
+    return figures
 
 
 def run(quick, bar):
