@@ -1024,18 +1024,32 @@ _NOBODY_CANNOT_RUN = _nobody_cannot_run_this_python()
 
 @pytest.mark.skipif(_NOBODY_CANNOT_RUN is not None, reason=str(_NOBODY_CANNOT_RUN))
 def test_a_copy_whose_threads_cannot_start_still_completes():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    run = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        + [sys.executable, "-m", "tests.lifetime_children", str(64 << 20)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=ROOT,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "ok"
+    # The child's keeper is uid 65534's: no lingering for late receivers (it
+    # would outlive the test by TORCHSHM_SESSION_LINGER), and that user's run
+    # directory goes once the keeper has emptied it, if this test made it.
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCHSHM_SESSION_LINGER="0")
+    nobody_dir = os.path.join(_paths.SHM_DIR, f"{_paths.PREFIX}65534")
+    made_here = not os.path.lexists(nobody_dir)
+    try:
+        run = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            + [sys.executable, "-m", "tests.lifetime_children", str(64 << 20)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            cwd=ROOT,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip() == "ok"
+    finally:
+        if made_here and os.path.isdir(nobody_dir):
+            deadline = time.monotonic() + TIMEOUT
+            while os.listdir(nobody_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = os.listdir(nobody_dir)
+            assert not left, f"uid 65534's keeper left {left} in {nobody_dir}"
+            os.rmdir(nobody_dir)
 
 
 @pytest.mark.parametrize(
