@@ -1044,11 +1044,8 @@ def test_a_copy_whose_threads_cannot_start_still_completes():
         assert run.stdout.strip() == "ok"
     finally:
         if made_here and os.path.isdir(nobody_dir):
-            deadline = time.monotonic() + TIMEOUT
-            while os.listdir(nobody_dir) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            left = os.listdir(nobody_dir)
-            assert not left, f"uid 65534's keeper left {left} in {nobody_dir}"
+            emptied = wait_until(lambda: not os.listdir(nobody_dir), TIMEOUT)
+            assert emptied, f"uid 65534's keeper left {os.listdir(nobody_dir)}"
             os.rmdir(nobody_dir)
 
 
