@@ -198,6 +198,9 @@ PYBIND11_MODULE(_C, m) {
         "Sharing mode for this thread (share()): returns the previous one.");
   m.def("forget_snapshots", [] { torchshm::snapshots().clear(); });
   m.def(
+      "snapshots_remembered", [] { return torchshm::snapshots().size(); },
+      "How many sent arrays' snapshots this process remembers (tests).");
+  m.def(
       "message_owner",
       [](const at::Tensor& owner, int threads) {
         return torchshm::message_owner(py::cast(owner), threads);

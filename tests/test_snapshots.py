@@ -12,6 +12,7 @@ import pytest
 import torchshm
 from tests import snapshot_children as kids
 from tests.conftest import stats_delta
+from torchshm import _C
 from torchshm._send import sender as _sender
 
 # Every test here starts processes or checks memory they share: each gets
@@ -245,3 +246,18 @@ def test_a_receiver_caches_the_mapping_once_the_arrays_are_gone(ctx, child):
     c.send(None)
     assert c.close() == 0
     assert (held, dropped) == (False, True)
+
+
+def test_the_sender_forgets_the_snapshots_of_arrays_that_died():
+    # Note [A weak reference per sent array] in csrc/lifetime/live.cpp: each
+    # copy is remembered under a weak reference whose callback forgets it.
+    # 100 layers in the message's chunk and one in a segment of its own.
+    before = _C.snapshots_remembered()
+    layers = [np.full(1024, i, dtype=np.float64) for i in range(100)] + [model()]
+    received = ForkingPickler.loads(ForkingPickler.dumps(layers))
+    assert _C.snapshots_remembered() == before + 101
+    del layers
+    gc.collect()
+    assert _C.snapshots_remembered() == before
+    assert [int(a[0]) for a in received[:100]] == list(range(100))
+    assert received[100][-1] == BIG - 1

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "base/errors.h"
 #include "base/python_compat.h"
 #include "lifetime/segment.h"
 #include "lifetime/views.h"
@@ -20,6 +21,45 @@ py::object weak_ref(py::handle owner, py::handle callback) {
       owner.ptr(), callback.is_none() ? nullptr : callback.ptr());
   if (weak == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(weak);
+}
+
+// Note [A weak reference per sent array]
+// The sender remembers every array it copies (send/snapshots.h) and every
+// array whose pages it adopts (send/one_copy.h), each under a weak
+// reference whose callback forgets it. Made as a py::cpp_function, that
+// callback was a large part of placing a 1 KiB array in its message's
+// chunk: pybind11 builds a function record and formats a signature string
+// per function made. A builtin bound to a pair of ints (forget's address
+// and the key's) costs three allocations.
+namespace {
+
+PyObject* call_forget(PyObject* bound, PyObject* /*weak*/) {
+  auto* forget = reinterpret_cast<void (*)(PyObject*)>(
+      PyLong_AsVoidPtr(PyTuple_GET_ITEM(bound, 0)));
+  try {
+    forget(
+        static_cast<PyObject*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(bound, 1))));
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef forget_def = {"torchshm_forget", call_forget, METH_O,
+                          "Forgets what torchshm remembered of a dead object."};
+
+}  // namespace
+
+py::object weak_ref_forgetting(py::handle owner, void (*forget)(PyObject*)) {
+  py::object bound = py::reinterpret_steal<py::object>(
+      Py_BuildValue("(NN)", PyLong_FromVoidPtr(reinterpret_cast<void*>(forget)),
+                    PyLong_FromVoidPtr(owner.ptr())));
+  if (!bound) throw py::error_already_set();
+  py::object callback = py::reinterpret_steal<py::object>(
+      PyCFunction_New(&forget_def, bound.ptr()));
+  if (!callback) throw py::error_already_set();
+  return weak_ref(owner, callback);
 }
 
 py::object LiveViews::live(const Entry& entry, bool* revived) {

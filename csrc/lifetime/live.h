@@ -13,6 +13,12 @@ namespace torchshm {
 py::object referent(const py::object& weak);
 // A weak reference to `owner`, calling `callback` (None: nothing) when it dies.
 py::object weak_ref(py::handle owner, py::handle callback = py::none());
+// A weak reference to `owner` that calls `forget(owner's address)` when it
+// dies (an exception forget throws is reported as unraisable). For tables keyed
+// by an object's address, one entry per sent array: its callback is a plain
+// builtin bound to the address, where a py::cpp_function formats its signature
+// each time it is made (Note [A weak reference per sent array] in live.cpp).
+py::object weak_ref_forgetting(py::handle owner, void (*forget)(PyObject*));
 
 // Note [Live views]
 // A process keeps one view tensor per segment it uses: a segment arriving

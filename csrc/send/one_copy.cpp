@@ -158,15 +158,14 @@ void adopt_pages(PyArrayObject* nearest, const py::object& view,
   auto found = table.find(key);
   py::object weak;
   if (found == table.end()) {
-    py::cpp_function callback([key](py::handle) {
+    weak = weak_ref_forgetting(key, [](PyObject* dead) {
       auto& entries = held();
-      auto it = entries.find(key);
+      auto it = entries.find(dead);
       if (it == entries.end()) return;
       Held gone = std::move(it->second);
       entries.erase(it);
       let_go(gone);
     });
-    weak = weak_ref(key, callback);
   }
   if (!segment->map_data_over(reinterpret_cast<void*>(whole.first),
                               at + (whole.first - src), whole.bytes()))

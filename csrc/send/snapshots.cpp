@@ -68,21 +68,17 @@ std::pair<py::object, int64_t> SnapshotCache::reuse(py::handle key, int64_t lo,
 void SnapshotCache::remember(py::handle key, int64_t lo, int64_t hi,
                              const std::shared_ptr<Segment>& segment,
                              int64_t at) {
-  PyObject* ptr = key.ptr();
-  py::cpp_function forget([this, ptr](py::handle) { entries_.erase(ptr); });
-  PyObject* weak = PyWeakref_NewRef(ptr, forget.ptr());
-  if (weak == nullptr) {
+  py::object weak;
+  try {
+    weak = weak_ref_forgetting(
+        key, [](PyObject* dead) { snapshots().entries_.erase(dead); });
+  } catch (const py::error_already_set&) {
     // No weak references to it (bytes, say): not remembered, the next send
     // copies.
-    PyErr_Clear();
     return;
   }
-  entries_[ptr] = Entry{py::reinterpret_steal<py::object>(weak),
-                        lo,
-                        hi,
-                        at,
-                        segment,
-                        segment->generation()};
+  entries_[key.ptr()] =
+      Entry{std::move(weak), lo, hi, at, segment, segment->generation()};
 }
 
 SnapshotCache& snapshots() {
