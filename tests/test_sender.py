@@ -139,6 +139,30 @@ def test_views_of_one_buffer_share_one_copy_through_a_pipe():
     assert received[0][0] == -1.0 and received[2][-1001] == -1.0
 
 
+def test_dtypes_alike_in_str_arrive_as_they_were_sent():
+    """view_args keeps the wire form of the last dtypes it met
+    (csrc/send/message.cpp): dtypes whose .str is the same but which differ
+    (metadata, fields), and more distinct dtypes than it keeps, each arrive
+    as they were sent, in one message and the next."""
+    torchshm.set_threshold(0)
+    dtypes = [
+        np.dtype("<f8"),
+        np.dtype("<f8", metadata={"unit": "m"}),
+        np.dtype(">f8"),
+        np.dtype([("a", "<f8")]),
+        np.dtype("V8"),
+    ] + [np.dtype("<f8", metadata={"k": i}) for i in range(40)]
+    before = torchshm.stats()
+    for _ in range(2):
+        received = through_pipe([np.zeros(1024, dtype=d) for d in dtypes] * 2)
+        for array, dtype in zip(received, dtypes * 2):
+            assert (array.dtype, array.dtype.str) == (dtype, dtype.str)
+            assert array.dtype.metadata == dtype.metadata
+            assert array.dtype.fields == dtype.fields
+    # Each message carries each array twice: one copy, named twice.
+    assert stats_delta(before)["arrays_shared"] == 2 * len(dtypes)
+
+
 def test_the_next_message_copies_again():
     a = np.arange(100_000.0)
     first, second = through_pipe(a), through_pipe(a)

@@ -2,6 +2,7 @@
 
 #include <frameobject.h>
 
+#include <array>
 #include <atomic>
 #include <utility>
 
@@ -68,21 +69,45 @@ bool writer_on_stack() {
   return false;
 }
 
-}  // namespace
-
 // A builtin dtype travels as its .str, which round-trips it exactly unless it
 // has fields, a sub-array or metadata, and pickles in a fraction of the time
 // of a dtype object. User-registered dtypes (num >= NPY_USERDEF) and
 // new-style ones (num -1) have a .str that names only their bytes.
-py::tuple view_args(PyArrayObject* a, int64_t offset,
-                    const std::vector<npy_intp>& strides, py::handle first) {
-  PyArray_Descr* descr = PyArray_DESCR(a);
+py::object wire_dtype_uncached(PyArray_Descr* descr) {
   py::handle d(reinterpret_cast<PyObject*>(descr));
-  py::object dtype = py::reinterpret_borrow<py::object>(d);
   if (descr->type_num >= 0 && descr->type_num < NPY_USERDEF &&
       !PyDataType_HASFIELDS(descr) && !PyDataType_HASSUBARRAY(descr) &&
       d.attr("metadata").is_none())
-    dtype = d.attr("str");
+    return d.attr("str");
+  return py::reinterpret_borrow<py::object>(d);
+}
+
+// What view_args sends for `descr`. NumPy formats .str afresh at each read
+// (a sprintf): for a message of many small arrays that was half of placing
+// one. A dtype is immutable and the common ones are singletons, so the last
+// few answers are kept, each with a reference to its dtype (its address
+// cannot be reused while it is kept). Under the GIL.
+py::object wire_dtype(PyArray_Descr* descr) {
+  struct Known {
+    py::object dtype, wire;
+  };
+  constexpr size_t kKept = 16;
+  static auto* known = new std::array<Known, kKept>();  // outlives Python
+  static size_t next = 0;
+  auto* key = reinterpret_cast<PyObject*>(descr);
+  for (const Known& k : *known)
+    if (k.dtype.ptr() == key) return k.wire;
+  py::object wire = wire_dtype_uncached(descr);
+  (*known)[next] = Known{py::reinterpret_borrow<py::object>(key), wire};
+  next = (next + 1) % kKept;
+  return wire;
+}
+
+}  // namespace
+
+py::tuple view_args(PyArrayObject* a, int64_t offset,
+                    const std::vector<npy_intp>& strides, py::handle first) {
+  py::object dtype = wire_dtype(PyArray_DESCR(a));
   const int nd = PyArray_NDIM(a);
   py::object subtype = Py_TYPE(a) == &PyArray_Type
                            ? py::none()

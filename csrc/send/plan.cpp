@@ -21,6 +21,11 @@
 namespace torchshm {
 namespace {
 
+// A copy smaller than this keeps the GIL: handing it over and taking it back
+// costs more than the memcpy (and may wake another thread for nothing).
+// Larger ones let other threads run, the copy threads included.
+constexpr int64_t kReleaseGilFrom = 64 << 10;
+
 // Dense strides that keep the array's axis order (C, F or other).
 std::vector<npy_intp> compact_strides(PyArrayObject* a) {
   const int nd = PyArray_NDIM(a);
@@ -248,7 +253,8 @@ Placement Plan::copy_view(PyArrayObject* array,
   const auto* src = reinterpret_cast<const uint8_t*>(start + lo);
   {
     // The caller's reference keeps `array` (and so its base chain) alive.
-    GilReleased no_gil;  // Note [The GIL at exit] in gil.h
+    std::optional<GilReleased> no_gil;  // Note [The GIL at exit] in gil.h
+    if (n >= kReleaseGilFrom) no_gil.emplace();
     target.segment->fill(at, src, n, policy.copy_threads);
   }
   count(kArraysShared);
