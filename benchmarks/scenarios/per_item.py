@@ -12,11 +12,14 @@ torchshm / pipe ratio within the A/A spread of the same run is no
 difference at all.
 """
 
+import contextlib
+
 import numpy as np
 
+import torchshm
 from benchmarks import peers
 from benchmarks.report import Result, fmt
-from benchmarks.transports import METHODS, sender
+from benchmarks.transports import METHODS, pinned, sender
 
 NAME = "per_item"
 KIB, MIB = 1 << 10, 1 << 20
@@ -56,38 +59,50 @@ def run(quick, bar):
     # turn, so drift or a burst of load on this 2-core machine hits all alike
     # (sub-millisecond items are otherwise dominated by it).
     rounds = 3 if quick else 10
+    pinned_below = torchshm.get_threshold()
     for nbytes in sizes:
-        methods = ours + (rivals if nbytes <= PEER_MAX else ())
-        counts, seconds = {}, {m: [] for m in methods}
-        for method in methods:
-            first = peers.attempt(
-                result,
-                size_label(nbytes),
-                method,
-                lambda: sender(method).measure(make_bytes, (nbytes,), 1),
-            )
-            if first is None:
-                bar.update()
-                continue
-            counts[method] = max(rounds, min(most, int(budget / max(first[0], 1e-5))))
-        # The order turns each round too, so that no method always follows
-        # the same one (scenario 5: the method after a 1000-tensor message
-        # paid for its clean-up).
-        ran = list(counts)
-        for round_ in range(rounds):
-            turn = round_ % len(ran)
-            for method in ran[turn:] + ran[:turn]:
-                per_round = -(-counts[method] // rounds)
-                seconds[method] += sender(method).measure(
-                    make_bytes, (nbytes,), per_round
-                )
-        for method in counts:
-            result.add(size_label(nbytes), method, seconds[method], warmup=0)
-            bar.update()
+        with pinned() if nbytes < pinned_below else contextlib.nullcontext():
+            measure_size(result, nbytes, ours, rivals, budget, most, rounds, bar)
     summarize_crossover(result, sizes)
+    result.notes.append(
+        f"Below the threshold ({size_label(pinned_below)}) the receiver and each"
+        " sender run pinned on two CPUs, the senders told they have one: where"
+        " the scheduler put a sender decided a round trip of tens of"
+        " microseconds (Note [Pinned ping-pong] in benchmarks/transports.py);"
+        " Ray's and joblib's workers are not pinned."
+    )
     peers.against_best(result)
     peers.note_versions(result, rivals)
     return result
+
+
+def measure_size(result, nbytes, ours, rivals, budget, most, rounds, bar):
+    """Every method's sends of one size, the methods in turn."""
+    methods = ours + (rivals if nbytes <= PEER_MAX else ())
+    counts, seconds = {}, {m: [] for m in methods}
+    for method in methods:
+        first = peers.attempt(
+            result,
+            size_label(nbytes),
+            method,
+            lambda: sender(method).measure(make_bytes, (nbytes,), 1),
+        )
+        if first is None:
+            bar.update()
+            continue
+        counts[method] = max(rounds, min(most, int(budget / max(first[0], 1e-5))))
+    # The order turns each round too, so that no method always follows
+    # the same one (scenario 5: the method after a 1000-tensor message
+    # paid for its clean-up).
+    ran = list(counts)
+    for round_ in range(rounds):
+        turn = round_ % len(ran)
+        for method in ran[turn:] + ran[:turn]:
+            per_round = -(-counts[method] // rounds)
+            seconds[method] += sender(method).measure(make_bytes, (nbytes,), per_round)
+    for method in counts:
+        result.add(size_label(nbytes), method, seconds[method], warmup=0)
+        bar.update()
 
 
 def summarize_crossover(result, sizes):
