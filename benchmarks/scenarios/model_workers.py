@@ -6,13 +6,14 @@ parent holds a float64 model, 4 spawn workers each get it and sum it. Every
 (method, round) runs in a fresh driver process (`python
 benchmarks/scenarios/model_workers.py METHOD NBYTES WORKERS`: the file, so
 that only the method's own modules are imported), so no pool, registration
-or cached file carries over. The driver starts the method's
-pool and waits until every worker is up (imports included, untimed; reported
-as "pool start"), builds the model, then times from handing the model over
-until every worker has summed it. Each worker then holds it until the
-driver has read the PSS of every process: the model's cost is the PSS they
-add above the same processes idle, in model sizes. The parent's own model is
-one of them in every row: one shared copy beside it makes 2.00.
+or cached file carries over. The driver starts the method's pool and waits
+until every worker is up (each has imported torch, whatever the method: see
+_warm; untimed, reported as "pool start"), builds the model, then times from
+handing the model over until every worker has summed it. Each worker then
+holds it until the driver has read the PSS of every process: the model's
+cost is the PSS they add above the same processes idle, in model sizes. The
+parent's own model is one of them in every row: one shared copy beside it
+makes 2.00.
 
 Methods: a task argument through pickle, through torchshm (no `share()`), a
 `ProcessPoolExecutor` initializer argument through torchshm (timed from
@@ -56,11 +57,17 @@ _MODEL = None
 
 
 def _warm(method, seconds):
-    """Starts a worker as the method's pool would have it ready."""
+    """Starts a worker as the method's pool would have it ready. Every
+    method's workers import torch, as a worker of a torch pipeline has it:
+    four workers' imports take 1.5 GB of fresh memory, and the memory a
+    timed copy then finds is slower to fill (Ray's ray.put of the model
+    right after its warm-up took 0.64-0.97 s with torch imported there,
+    0.37-0.38 s without; torchshm's first send likewise), so a method whose
+    workers import less would be timed on a quieter machine."""
+    import torch  # noqa: F401
+
     if method.startswith("torchshm"):
-        import torchshm  # noqa: F401  (torch too)
-    elif method == "torch":
-        import torch  # noqa: F401
+        import torchshm  # noqa: F401
     time.sleep(seconds)
     return os.getpid()
 
@@ -288,7 +295,11 @@ def measure(method, nbytes, workers, layers=1):
     """Runs drive() in a fresh interpreter and returns its JSON."""
     # The file, not the module: importing the benchmarks package would import
     # torchshm (other scenarios do), and its reducers would then carry the
-    # "pipe" and joblib rows too.
+    # "pipe" and joblib rows too. A torchshm session of its own, as a
+    # program the user starts has (and Ray's driver a cluster of its own),
+    # not the runner's.
+    env = dict(os.environ)
+    env.pop("TORCHSHM_SESSION", None)
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), method, str(nbytes)]
         + [str(workers), str(layers)],
@@ -296,6 +307,7 @@ def measure(method, nbytes, workers, layers=1):
         text=True,
         timeout=DRIVER_TIMEOUT,
         check=False,
+        env=env,
     )
     if out.returncode != 0:
         raise RuntimeError(f"{method} driver failed:\n{out.stderr[-3000:]}")
@@ -306,7 +318,7 @@ def run(quick, bar):
     from benchmarks import peers
     from benchmarks.report import Result
 
-    nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 3)
+    nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 5)
     # A model of many small layers beside the one large array: 64 of 4 MiB
     # (quick: 16 of 1 MiB); the methods that share it without a peer.
     layers, layer_bytes = (16, 1 << 20) if quick else (64, 4 << 20)
@@ -333,9 +345,17 @@ def run(quick, bar):
         ),
     ]
     samples = {(case, m): [] for case, _, _, ms in cases for m in ms}
-    for _ in range(rounds):  # one run per method per round, interleaved
+    # One run per method per round, the methods in turn, and the order turns
+    # each round: a run leaves the memory it freed (pipe + pickle's six
+    # copies, 6 GiB; Ray's store) to the next one, whose first copy into
+    # fresh pages costs what this VM's memory then costs. With a fixed order
+    # torchshm always ran after the pipe and read 1.13-1.57 s in four rounds
+    # of five (median 1.36 s, joblib 0.73 s); turning, 0.59-0.96 s (median
+    # 0.66 s, joblib 0.68 s; two runs of --only model_workers, 2026-12-07).
+    for round_ in range(rounds):
         for case, size, parts, case_methods in cases:
-            for method in case_methods:
+            turn = round_ % len(case_methods)
+            for method in case_methods[turn:] + case_methods[:turn]:
                 if (case, method) not in result.failures:
                     run = peers.attempt(
                         result,
