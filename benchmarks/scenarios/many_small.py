@@ -10,7 +10,7 @@ import numpy as np
 
 from benchmarks import peers
 from benchmarks.report import Result
-from benchmarks.transports import METHODS, sender
+from benchmarks.transports import METHODS, round_order, sender
 
 NAME = "many_small"
 
@@ -43,12 +43,11 @@ def run(quick, bar):
     # the warm-up): a message of 10-20 ms read twice as slow from one minute
     # to the next on this VM, and a method measured in one block took
     # whichever state the machine was in (torchshm 8.5 ms in one run, 17.6 ms
-    # in the next, the pipe 9.9 and 14.6 ms). The order turns each round:
-    # what a heavy method leaves to clean up (1000 tensors' storages) falls
-    # on a different next method each time.
+    # in the next, the pipe 9.9 and 14.6 ms). The order changes each round
+    # (round_order): what a heavy method leaves to clean up (1000 tensors'
+    # storages) falls on a different next method each time.
     for round_ in range(sends):
-        turn = round_ % len(methods)
-        for method in methods[turn:] + methods[:turn]:
+        for method in round_order(methods, round_):
             for label, n, nbytes in labels:
                 if (method, label) not in seconds:
                     continue

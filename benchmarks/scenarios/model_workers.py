@@ -317,6 +317,7 @@ def measure(method, nbytes, workers, layers=1):
 def run(quick, bar):
     from benchmarks import peers
     from benchmarks.report import Result
+    from benchmarks.transports import round_order
 
     nbytes, workers, rounds = ((64 << 20), 2, 1) if quick else ((1 << 30), 4, 5)
     # A model of many small layers beside the one large array: 64 of 4 MiB
@@ -345,17 +346,16 @@ def run(quick, bar):
         ),
     ]
     samples = {(case, m): [] for case, _, _, ms in cases for m in ms}
-    # One run per method per round, the methods in turn, and the order turns
-    # each round: a run leaves the memory it freed (pipe + pickle's six
-    # copies, 6 GiB; Ray's store) to the next one, whose first copy into
-    # fresh pages costs what this VM's memory then costs. With a fixed order
-    # torchshm always ran after the pipe and read 1.13-1.57 s in four rounds
-    # of five (median 1.36 s, joblib 0.73 s); turning, 0.59-0.96 s (median
-    # 0.66 s, joblib 0.68 s; two runs of --only model_workers, 2026-12-07).
+    # One run per method per round, the methods in turn, in an order that
+    # changes each round (round_order): a run leaves the memory it freed
+    # (pipe + pickle's six copies, 6 GiB; Ray's store) to the next one, whose
+    # first copy into fresh pages costs what this VM's memory then costs.
+    # With torchshm always after the pipe (a fixed order) it read 1.13-1.57 s
+    # in four rounds of five (median 1.36 s, joblib 0.73 s; --only
+    # model_workers, 2026-12-07).
     for round_ in range(rounds):
         for case, size, parts, case_methods in cases:
-            turn = round_ % len(case_methods)
-            for method in case_methods[turn:] + case_methods[:turn]:
+            for method in round_order(case_methods, round_):
                 if (case, method) not in result.failures:
                     run = peers.attempt(
                         result,

@@ -19,7 +19,7 @@ import numpy as np
 import torchshm
 from benchmarks import peers
 from benchmarks.report import Result, fmt
-from benchmarks.transports import METHODS, pinned, sender
+from benchmarks.transports import METHODS, pinned, round_order, sender
 
 NAME = "per_item"
 KIB, MIB = 1 << 10, 1 << 20
@@ -91,13 +91,11 @@ def measure_size(result, nbytes, ours, rivals, budget, most, rounds, bar):
             bar.update()
             continue
         counts[method] = max(rounds, min(most, int(budget / max(first[0], 1e-5))))
-    # The order turns each round too, so that no method always follows
-    # the same one (scenario 5: the method after a 1000-tensor message
-    # paid for its clean-up).
-    ran = list(counts)
+    # The order changes each round too (round_order), so that no method
+    # always follows the same one (scenario 5: the method after a
+    # 1000-tensor message paid for its clean-up).
     for round_ in range(rounds):
-        turn = round_ % len(ran)
-        for method in ran[turn:] + ran[:turn]:
+        for method in round_order(counts, round_):
             per_round = -(-counts[method] // rounds)
             seconds[method] += sender(method).measure(make_bytes, (nbytes,), per_round)
     for method in counts:
