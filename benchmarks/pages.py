@@ -4,10 +4,12 @@ workers), one figure each, medians of `--rounds` (default 5).
     python -m benchmarks.pages            # fill, map, resend, stale
     python -m benchmarks.micro pages      # the same
 
-- fill: n bytes into a fresh memfd, by pwrite() (what torchshm does for a
-  fresh segment, csrc/lifetime/segment.h Segment::fill) against memcpy into a fresh
+- fill: n bytes into a fresh memfd, by pwrite() against memcpy into a fresh
   MAP_SHARED mapping, and against memcpy into one already faulted in (the
-  pool's reuse); by size, to show the crossover.
+  pool's reuse); by size, to show the crossover. Beside them, torchshm's send
+  of a fresh array into a fresh segment (both of the first two ways at once:
+  Note [Filling a fresh segment] in csrc/lifetime/fresh_pages.cpp) and
+  torch's share_memory_() of a tensor of the same bytes.
 - map: a child maps 512 MiB of existing shmem pages read-only, MAP_PRIVATE and
   MAP_SHARED read-write and sums them (each mapping fresh: the page faults
   are the cost).
@@ -37,7 +39,14 @@ def _median(fn, rounds):
     return statistics.median(samples)
 
 
+FILLS = ("pwrite", "memcpy, fresh", "memcpy, mapped", "torchshm", "torch")
+
+
 def _fresh_fill(nbytes, how, src):
+    if how == "torchshm":
+        return _torchshm_fresh_send(src)
+    if how == "torch":
+        return _torch_share(src)
     fd = os.memfd_create("torchshm-bench-pages", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -59,21 +68,50 @@ def _fresh_fill(nbytes, how, src):
         os.close(fd)
 
 
+def _torchshm_fresh_send(src):
+    """ForkingPickler.dumps of a copy of `src` (a new array: no snapshot to
+    compare with) into a fresh segment (none pooled)."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torchshm
+
+    array = src.copy()
+    torchshm.trim()
+    t0 = time.perf_counter()
+    data = ForkingPickler.dumps(array)
+    elapsed = time.perf_counter() - t0
+    pickle.loads(data)  # claims the ticket, outside the clock
+    return elapsed
+
+
+def _torch_share(src):
+    """torch's share_memory_() of a tensor over a copy of `src`."""
+    import torch
+
+    tensor = torch.from_numpy(src.copy())
+    t0 = time.perf_counter()
+    tensor.share_memory_()
+    return time.perf_counter() - t0
+
+
 def fill(sizes=(64 << 10, MIB, 16 * MIB, 128 * MIB, 512 * MIB), rounds=5):
     print(
-        "fill a fresh memfd (s, median): pwrite | memcpy into a fresh mapping"
-        " | memcpy into a mapped one"
+        "fill a fresh memfd (s, median; the ways in turn, each round):"
+        " " + " | ".join(FILLS)
     )
     for n in sizes:
         src = np.ones(n, np.uint8)
-        row = [
-            _median(lambda h=h: _fresh_fill(n, h, src), rounds)
-            for h in ("pwrite", "memcpy, fresh", "memcpy, mapped")
-        ]
+        samples = {how: [] for how in FILLS}
+        for _ in range(rounds):
+            for how in FILLS:
+                samples[how].append(_fresh_fill(n, how, src))
+        row = [statistics.median(samples[how]) for how in FILLS]
         print(
             f"  {n >> 10:>8} KiB  "
             + "  ".join(f"{t:.5f}" for t in row)
-            + f"   pwrite/fresh memcpy {row[0] / row[1]:.2f}"
+            + f"   torchshm/torch {row[3] / row[4]:.2f}"
+            + f"   torchshm/pwrite {row[3] / row[0]:.2f}"
         )
 
 

@@ -65,8 +65,8 @@ def mappings_over(arr):
 def private_dirty_kb():
     """kB of pages this process copied: Private_Dirty of every mapping but
     torchshm's segments (/proc/self/smaps). A segment's pages count as
-    Private_Dirty while only this process maps them (one its parent filled
-    with pwrite and never mapped), though nothing was copied."""
+    Private_Dirty while only this process maps them (one whose other
+    mappers, its parent among them, let go), though nothing was copied."""
     total, in_segment = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:

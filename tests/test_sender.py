@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import torchshm
-from tests.conftest import TIMEOUT, stats_delta, true_in_forked_child
+from tests.conftest import TIMEOUT, run_python, stats_delta, true_in_forked_child
 from torchshm import _C, _fallback, _reduction
 from torchshm._lifetime import segments as _segments
 from torchshm._send import sender as _sender
@@ -161,6 +161,42 @@ def test_dtypes_alike_in_str_arrive_as_they_were_sent():
             assert array.dtype.fields == dtype.fields
     # Each message carries each array twice: one copy, named twice.
     assert stats_delta(before)["arrays_shared"] == 2 * len(dtypes)
+
+
+FRESH_FILLS = """
+import hashlib
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+import numpy as np
+import torchshm
+
+def digest(a):
+    return torchshm.is_shared(a), hashlib.sha256(a).hexdigest()
+
+data = np.random.default_rng(0).integers(0, 256, 48 << 20, dtype=np.uint8)
+# (where in the page, bytes): within one 4 MiB chunk, and across several
+# with the first and last pages shared with other bytes.
+cuts = [(0, 3 << 20), (1, (8 << 20) + 1), (4095, (13 << 20) + 4095),
+        (17, (40 << 20) + 17)]
+with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+    for at, n in cuts:  # growing: each needs a fresh segment
+        sent = data[at:at + n]
+        shared, received = pool.submit(digest, sent).result()
+        assert shared, (at, n)
+        assert received == hashlib.sha256(sent).hexdigest(), (at, n)
+stats = torchshm.stats()
+assert stats["segments_created"] == len(cuts), stats
+assert not stats["fallbacks"], stats
+"""
+
+
+def test_fresh_segments_arrive_whole_however_their_pages_were_made():
+    """A fresh segment's pages are made by pwrite and by faults at once, in
+    4 MiB chunks (Note [Filling a fresh segment] in
+    csrc/lifetime/fresh_pages.cpp): every byte arrives, wherever the array
+    starts in its page and however many chunks it spans."""
+    done = run_python(FRESH_FILLS)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_next_message_copies_again():

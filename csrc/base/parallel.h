@@ -84,6 +84,18 @@ void parallel_chunks(int64_t n, int threads, int64_t min_per_thread,
   if (mine_from < n) work(mine_from, n - mine_from);
 }
 
+// Calls work(i) for each i in [0, threads): i = 0 on the calling thread,
+// every other on a thread of its own (on the calling thread, after its own,
+// where that thread could not start). For work that shares itself out, each
+// call taking chunks from one counter, rather than a fixed part.
+template <typename Work>
+void on_threads(int threads, Work work) {
+  const int64_t n = std::max(threads, 1);
+  parallel_chunks(n, threads, 1, 1, [&](int64_t first, int64_t count) {
+    for (int64_t i = first; i < first + count; ++i) work(static_cast<int>(i));
+  });
+}
+
 // Runs work() on a detached thread that bears kWorkerThreadName from its
 // first instant, so that a fork's wait finds it even before it runs: a
 // thread inherits its creator's name, and the creator wears that name for

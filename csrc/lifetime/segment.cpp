@@ -1,4 +1,4 @@
-// A segment's memfd: created sealed, filled (pwrite or a copy), attached
+// A segment's memfd: created sealed, filled (fresh_pages.h or a copy), attached
 // by a receiver, unlinked and closed. Its holder slots are in
 // segment_holders.cpp, its private and read-only mappings in
 // segment_private.cpp, the views tensors hold in views.cpp.
@@ -24,6 +24,7 @@
 #include "base/ndarray.h"
 #include "base/parallel.h"
 #include "lifetime/fork_guard.h"
+#include "lifetime/fresh_pages.h"
 #include "lifetime/identity.h"
 
 namespace torchshm {
@@ -31,40 +32,6 @@ namespace torchshm {
 namespace {
 
 constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older headers lack the name
-#endif
-// Below this, one thread populates: starting threads costs more than it saves.
-constexpr int64_t kMinPopulatePerThread = 16 << 20;
-
-// Backs every data page of a new segment now, so that a memory limit fails
-// here with an error instead of later, on first write; 0 or an errno.
-// MADV_POPULATE_WRITE faults the pages in as writes would, and several
-// threads fault in parallel (a one-off measurement, 392 MB on 2 cores:
-// fallocate + MAP_POPULATE 216 ms, one thread 229 ms, two 121 ms; `python -m
-// benchmarks --only born` reports it as "fresh pages"). Only the header's
-// first page is touched: unused slots take no memory. Kernels before 5.14
-// get posix_fallocate.
-int populate_pages(int fd, void* base, size_t total, int threads) {
-  const int64_t data = static_cast<int64_t>(total - kHeaderBytes);
-  std::vector<int> errors(std::max(threads, 1) + 1, 0);
-  std::atomic<int> next{0};
-  auto* start = static_cast<char*>(base) + kHeaderBytes;
-  parallel_chunks(data, threads, kMinPopulatePerThread, kPageBytes,
-                  [&](int64_t begin, int64_t len) {
-                    int& err = errors[next++];
-                    if (::madvise(start + begin, len, MADV_POPULATE_WRITE) != 0)
-                      err = errno;
-                  });
-  int err = 0;
-  for (int e : errors) err = err ? err : e;
-  if (err == EINVAL)
-    return ::posix_fallocate(fd, static_cast<off_t>(kHeaderBytes),
-                             static_cast<off_t>(data));
-  // EFAULT: a page could not be backed (SIGBUS had it been a write).
-  return err == EFAULT ? ENOMEM : err;
-}
 
 // Below this, one thread compares.
 constexpr int64_t kMinComparePerThread = 16 << 20;
@@ -140,8 +107,10 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
   if (!err) {
     base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     err = base == MAP_FAILED ? errno
-          : populate         ? populate_pages(fd, base, total, threads)
-                             : 0;
+          : populate
+              ? populate_pages(fd, static_cast<uint8_t*>(base), kHeaderBytes,
+                               total - kHeaderBytes, threads)
+              : 0;
   }
   if (err != 0) {
     if (base != MAP_FAILED) ::munmap(base, total);
@@ -234,23 +203,10 @@ void Segment::fill(int64_t at, const uint8_t* src, int64_t n, int threads) {
     copy_bytes(data() + at, src, n, threads);
     return;
   }
-  // One thread: a write into a shmem file holds the file's lock throughout,
-  // so a second thread only waits for it and then hands it over (400 MB
-  // into a fresh memfd, 16 rounds in turn: one thread 174 ms, two 187 ms;
-  // /tmp harness with os.pwrite, 2026-12-07).
-  const off_t base = static_cast<off_t>(kHeaderBytes + at);
-  for (int64_t done = 0; done < n;) {
-    const ssize_t w = ::pwrite(fd, src + done, n - done, base + done);
-    if (w > 0) {
-      done += w;
-    } else if (w < 0 && errno == EINTR) {
-      continue;
-    } else {
-      // ENOSPC or ENOMEM: the memory limit that populate would have met.
-      throw_errno(w == 0 ? ENOSPC : errno, "cannot write ", n,
-                  " bytes into a shared-memory segment");
-    }
-  }
+  const size_t offset = kHeaderBytes + static_cast<size_t>(at);
+  if (const int err = fill_fresh_pages(fd, static_cast<uint8_t*>(base_), offset,
+                                       src, static_cast<size_t>(n), threads))
+    throw_errno(err, "cannot write ", n, " bytes into a shared-memory segment");
 }
 
 bool Segment::equals(int64_t at, const uint8_t* src, int64_t n,

@@ -266,11 +266,10 @@ class Segment : public std::enable_shared_from_this<Segment> {
 
   // Copies `n` bytes from `src` to data offset `at`, with up to `threads`
   // threads (the GIL released by the caller). A segment created without
-  // populate and never reused is written with pwrite(), by one thread (the
-  // file's lock admits one writer): the kernel makes its pages without a
-  // fault in this process (512 MiB: 0.20 s against 0.36 s through the fresh
-  // mapping, 2-core reference machine); otherwise its pages are mapped
-  // already and memcpy runs at memory speed.
+  // populate and never reused has no pages yet: they are made as they are
+  // written, by pwrite and by faults at once (Note [Filling a fresh segment]
+  // in fresh_pages.cpp); otherwise its pages are mapped already and memcpy
+  // runs at memory speed.
   void fill(int64_t at, const uint8_t* src, int64_t n, int threads);
   // Whether data bytes [at, at + n) equal `src` (GIL released by the caller).
   bool equals(int64_t at, const uint8_t* src, int64_t n, int threads) const;
@@ -407,7 +406,7 @@ class Segment : public std::enable_shared_from_this<Segment> {
   uint64_t readonly_generation_ = 0;
   WriteWatch readonly_clean_;
   mutable std::mutex mappings_mutex_;
-  bool write_fill_ = false;   // created without populate: fill() by pwrite
+  bool write_fill_ = false;   // created without populate: fill_fresh_pages
   bool data_frozen_ = false;  // freeze_data(); the mutex's
   // While frozen: the shared mapping's pages, moved aside (park_tracked in
   // fork_guard.h) for thaw_data to move back. The mutex's.

@@ -122,8 +122,8 @@ reduce_ndarray = _C.reduce_ndarray
 def allocate(nbytes):
     """The native plan's hook for a segment the pool could not give it.
     Looked up at each call, so that the pool and budget policy stays
-    _segments.allocate's (and a test may replace it). Unpopulated: the plan
-    writes a fresh segment's pages with pwrite (Segment::fill)."""
+    _segments.allocate's (and a test may replace it). Unpopulated: the plan's
+    writes make a fresh segment's pages (Segment::fill)."""
     return _segments.allocate(nbytes, populate=False)
 
 
