@@ -8,7 +8,7 @@ import numpy as np
 
 from benchmarks import peers
 from benchmarks.report import Result
-from benchmarks.transports import LABELS, METHODS, close_sender, sender
+from benchmarks.transports import LABELS, METHODS, close_sender, round_order, sender
 
 NAME = "big_array"
 CASES = ("first send", "steady (sends 2..N)")
@@ -36,9 +36,12 @@ def run(quick, bar):
     bar.reset(total=len(methods) * firsts)
     first, steady = {m: [] for m in methods}, {}
     # Round-robin: every method's first send meets the machine in each of its
-    # states in turn, and its steady sends come from the first round.
+    # states in turn, and its steady sends come from the first round. The
+    # order changes each round (round_order), so that no method always
+    # follows the same one.
     for round_ in range(firsts):
-        for method in [m for m in methods if m in steady or not round_]:
+        order = round_order(methods, round_)
+        for method in [m for m in order if m in steady or not round_]:
             seconds = peers.attempt(
                 result,
                 CASES,
