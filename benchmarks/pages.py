@@ -68,21 +68,28 @@ def _fresh_fill(nbytes, how, src):
         os.close(fd)
 
 
-def _torchshm_fresh_send(src):
-    """ForkingPickler.dumps of a copy of `src` (a new array: no snapshot to
-    compare with) into a fresh segment (none pooled)."""
+def _timed_dumps(array):
+    """Seconds of torchshm's ForkingPickler.dumps of `array`."""
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    import torchshm
+    import torchshm  # noqa: F401 - its reducers pickle the array
 
-    array = src.copy()
-    torchshm.trim()
     t0 = time.perf_counter()
     data = ForkingPickler.dumps(array)
     elapsed = time.perf_counter() - t0
     pickle.loads(data)  # claims the ticket, outside the clock
     return elapsed
+
+
+def _torchshm_fresh_send(src):
+    """torchshm's send of a copy of `src` (a new array: no snapshot to
+    compare with) into a fresh segment (none pooled)."""
+    import torchshm
+
+    array = src.copy()
+    torchshm.trim()
+    return _timed_dumps(array)
 
 
 def _torch_share(src):
@@ -153,24 +160,14 @@ def map_kinds(nbytes=512 * MIB, rounds=5):
 
 
 def resend(nbytes=512 * MIB, rounds=5):
-    import pickle
-    from multiprocessing.reduction import ForkingPickler
-
     import torchshm
-
-    def timed_dumps(array):
-        t0 = time.perf_counter()
-        data = ForkingPickler.dumps(array)
-        elapsed = time.perf_counter() - t0
-        pickle.loads(data)  # claims the ticket, outside the clock
-        return elapsed
 
     first, again = [], []
     for _ in range(rounds):
         torchshm.trim()  # no pooled segment: the first send is a fresh one
         array = np.ones(nbytes // 8)
-        first.append(timed_dumps(array))
-        again.append(timed_dumps(array))
+        first.append(_timed_dumps(array))
+        again.append(_timed_dumps(array))
         del array
     stats = torchshm.stats()
     print(

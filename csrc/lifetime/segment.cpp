@@ -106,6 +106,8 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
     err = errno;
   if (!err) {
     base = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // Only the data is populated, and of the header only the page written
+    // below: unused slots take no memory.
     err = base == MAP_FAILED ? errno
           : populate
               ? populate_pages(fd, static_cast<uint8_t*>(base), kHeaderBytes,
