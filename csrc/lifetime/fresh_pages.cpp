@@ -85,14 +85,14 @@ int populate_pages(int fd, uint8_t* file, size_t offset, size_t n,
 //   0.11-0.13 s by pwrite, ../shared/notes/facts.md section 12) it loses.
 // So both run at once: the calling thread pwrites, the others populate and
 // copy, each taking the next 4 MiB chunk from one counter until none is
-// left, and the faster way takes more of them. 400 MB into a fresh memfd on
-// 2 cores, 14 rounds in turn (a C++ harness, 2026-12-07): pwrite alone 221
-// ms, two threads populating and copying 156, the two ways at once 133
-// (pwrite wrote 56 of 96 chunks); torch's share_memory_ (fallocate, then two
-// threads copying) takes ~150-190 ms here. Both ways meet a memory limit as
-// an error, never SIGBUS: pwrite fails with ENOSPC or ENOMEM, a populate
-// with EFAULT, after which that worker writes its chunk, and every later one,
-// with pwrite (which reports the error), as it does on a kernel without
+// left, and the faster way takes more of them. 512 MiB on 2 cores, the ways
+// in turn (`python -m benchmarks.pages fill`, 2026-12-07): torchshm's send
+// into a fresh segment 0.147 s, pwrite alone 0.191 s, one copy through a
+// fresh mapping 0.419 s, torch's share_memory_ (fallocate, then its copy
+// threads) 0.190 s. Both ways meet a memory limit as an error, never
+// SIGBUS: pwrite fails with ENOSPC or ENOMEM, a populate with EFAULT, after
+// which that worker writes its chunk, and every later one, with pwrite
+// (which reports the error), as it does on a kernel without
 // MADV_POPULATE_WRITE (EINVAL). Chunks are cut at multiples of 4 MiB of the
 // file, so only a fill's first and last pages may hold other bytes: a
 // populate never zeroes a page that exists, and the page lock orders a
