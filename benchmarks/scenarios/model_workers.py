@@ -28,6 +28,7 @@ PSS of every process of the driver's tree counts, Ray's store included).
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,7 @@ def drive(method, nbytes, workers, layers=1):
     open(os.path.join(folder, "release"), "w").close()
     waiter.join(DRIVER_TIMEOUT)
     assert results == [expected] * workers, (results, expected)
+    shutil.rmtree(folder)  # every worker returned: none looks at it any more
     if method == "torchshm_initializer":
         started = _start_only(method, workers)
     for shm in _SHM_KEEP:
