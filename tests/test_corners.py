@@ -241,6 +241,66 @@ def test_a_keeper_killed_as_its_sender_exits_is_replaced_before_the_senders_fds_
     assert result == {"loaded": [True] * 8, "exitcode": 0, "keeper_killed": True}
 
 
+SENDER_REUSES_MEMORY_AFTER_THE_KEEPER_DIES = """
+# A sender holds memory it made while the first keeper lived (a slab of
+# born-shared blocks, registered with that keeper only, and never sent), and
+# the keeper is SIGKILLed. The sender sends from that memory at once, joins a
+# new keeper without creating anything new (so without registering anything
+# through a new segment), sends more, and dies without its exit hook: its
+# receiver, which never mapped that slab, loads every message.
+import multiprocessing as mp
+N = 16
+
+def send(conn, ready, go):
+    torchshm.set_threshold(0)
+    torchshm.set_allocator(True, min_bytes=1)
+    made = [np.full(16, -1) for _ in range(4)]  # a slab: blocks never sent
+    old = _session.keeper_pid()
+    ready.send(old)
+    go.recv()  # the keeper is dead now
+    for i in range(N // 2):
+        conn.send((i, np.full(16, i)))
+    deadline = time.monotonic() + 60
+    while _session.keeper_pid() == old and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ready.send(_session.keeper_pid() != old)
+    for i in range(N // 2, N):
+        conn.send((i, np.full(16, i)))
+    os._exit(0)  # as a SIGKILL: no exit hook hands anything over
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    reader, writer = ctx.Pipe(duplex=False)
+    ready_reader, ready_writer = ctx.Pipe(duplex=False)
+    go_reader, go_writer = ctx.Pipe(duplex=False)
+    _session.join()
+    child = ctx.Process(target=send, args=(writer, ready_writer, go_reader))
+    child.start()
+    assert ready_reader.recv() == _session.keeper_pid()
+    kill_keeper()
+    go_writer.send(None)
+    rejoined = ready_reader.recv()
+    child.join(60)
+    loaded = []
+    for _ in range(N):
+        try:
+            i, a = reader.recv()
+            loaded.append(bool((a == i).all()))
+        except Exception as exc:
+            loaded.append(repr(exc)[:200])
+    report(rejoined=rejoined, loaded=loaded, exitcode=child.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_sender_joins_a_new_keeper_with_what_it_made_before_without_making_more(
+    method,
+):
+    run = run_script(SENDER_REUSES_MEMORY_AFTER_THE_KEEPER_DIES, method, timeout=180)
+    result = only(*run)
+    assert result == {"rejoined": True, "loaded": [True] * 16, "exitcode": 0}
+
+
 KEEPER_DIES_AT_JOIN = """
 # A keeper that takes the connection and dies before it answers the join (a
 # SIGKILL between the two): the member tries once more, which starts its

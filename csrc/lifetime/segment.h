@@ -95,10 +95,11 @@
 // - A killed keeper: its fds close with it, but creators keep theirs (of
 //   every segment a message in flight names), so their in-flight messages
 //   still load while the sender lives. The next process that needs a
-//   keeper starts one under the same session id; every member notices
-//   within a second (the pool's once-a-second pass) and registers the
-//   segments it created again. A keeper ends its session only when no
-//   member is connected and no process of the session lives (their lock
+//   keeper starts one under the same session id; every member that created
+//   segments notices at once (its expiry timer waits on its connection to
+//   the keeper: Note [Expiry timer] in torchshm/_lifetime/expiry.py) and
+//   registers them again, reused ones included. A keeper ends its session only
+//   when no member is connected and no process of the session lives (their lock
 //   files say so), so it never closes what live processes send. With no
 //   member left, it lingers while a process that may still join started
 //   with the session's id in its environment, or a ticket's pipe is still

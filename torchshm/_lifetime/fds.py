@@ -34,11 +34,12 @@ def raise_soft_limit(at_least=0):
     return True
 
 
-def readable(stream, timeout):
-    """Whether `stream` (a socket, a file or an fd) has something to read
+def readable(*streams, timeout):
+    """Whether one of `streams` (sockets, files or fds) has something to read
     (EOF included) within `timeout` seconds (None: waits for it). poll, not
     select: a process that holds many segments has fds above select's 1024
     (its soft limit raised for them), where select raises ValueError."""
     poller = select.poll()
-    poller.register(stream, select.POLLIN)
+    for stream in streams:
+        poller.register(stream, select.POLLIN)
     return bool(poller.poll(None if timeout is None else int(timeout * 1000)))

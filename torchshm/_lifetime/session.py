@@ -178,7 +178,7 @@ def leave():
     if conn is None:
         return
     try:
-        keeper_died = _fds.readable(conn, 0)  # EOF
+        keeper_died = _fds.readable(conn, timeout=0)  # EOF
     except OSError:
         keeper_died = False
     conn.close()
@@ -268,11 +268,13 @@ _unregistered = False  # a rejoin began and did not register every segment
 
 def check():
     """Rejoins if the keeper died (its connection reads as closed). Called
-    about once a second, by the pool's thorough pass; skipped while another
-    thread waits for a reply on the connection. Never raises. (At exit,
-    hand_over() waits instead.)"""
+    by the expiry timer when that connection wakes it, and at each of its
+    wake-ups (Note [Expiry timer]), and about once a second by the pool's
+    thorough pass. Skipped while another thread waits for a reply on the
+    connection: False then, else True. Never raises. (At exit, hand_over()
+    waits instead.)"""
     if not _lock.acquire(blocking=False):
-        return
+        return False
     try:
         conn = _connection
         if conn is None:
@@ -281,21 +283,32 @@ def check():
                     rejoin()  # after a keeper that did not answer in time
                 except OSError:  # SharedMemoryError, or no keeper could start
                     pass
-            return
+            return True
         if _closed(conn):
             try:
                 rejoin()
             except OSError:  # SharedMemoryError, or no keeper could start
                 pass  # the next request tries again (or goes on without)
+        return True
     finally:
         _lock.release()
+
+
+def connection_fd():
+    """The fd of this process's connection to its keeper, or None. A member
+    is never sent anything unasked, so it reads as ready when the keeper died
+    (or when a reply waits for the thread that asked): the expiry timer
+    waits on it (Note [Expiry timer])."""
+    conn = _connection
+    fd = conn.fileno() if conn is not None else -1
+    return fd if fd >= 0 else None
 
 
 def _closed(conn):
     """Whether a member's connection reads as closed: its keeper died (a
     member is never sent anything unasked, so anything to read is EOF)."""
     try:
-        return _fds.readable(conn, 0)
+        return _fds.readable(conn, timeout=0)
     except OSError:
         return True
 
@@ -509,7 +522,7 @@ def _start_keeper(session):
     )
     # One byte once it listens; EOF if it failed (or another keeper serves).
     # A keeper that is that slow to start serves no one and exits.
-    _fds.readable(proc.stdout, max(_config.keeper_timeout(), 5.0))
+    _fds.readable(proc.stdout, timeout=max(_config.keeper_timeout(), 5.0))
     proc.stdout.close()
     # The keeper outlives us by design; drop the Popen so Python does not warn
     # that a child is still running when this object is collected.
