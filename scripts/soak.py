@@ -58,9 +58,11 @@ number; its arrays are a pattern derived from both, so any byte is checked):
   receiver tried to load it (gone: its fds closed, as the driver saw after
   the SIGKILL; until then no member can tell); or
   its sender died without that hook (SIGKILL, os._exit) and a keeper was
-  killed too, both before the receiver tried (a creator registers its
-  segments again with a new keeper within a second or so; a sender gone
-  less than REJOIN_GRACE seconds after a keeper kill is taken not to have).
+  killed too, both before the receiver tried, the sender before it was
+  seen joined to a new keeper (a creator joins one at once and registers
+  every segment it made there; a sender records when it sees it after each
+  send, so one that died less than REJOIN_GRACE seconds after the kill
+  without that record is taken not to have).
 - forwards gone after a keeper kill: a message an inspector was handed
   that it could not open (ENOENT) in a round where a keeper was killed: only
   receivers mapped its segment, and no process has an fd of it for a new
@@ -294,6 +296,9 @@ class Shared:
         # machine delays it, and a message its receiver tried in between
         # was tried after its sender's death, not before.
         self.vanishing = ctx.RawArray("d", senders)
+        # When a sender last saw itself joined to a keeper other than the
+        # one it saw before (after a send): that keeper has all it made.
+        self.rejoined = ctx.RawArray("d", senders)
 
 
 def _limit_fds(soft):
@@ -352,6 +357,9 @@ def send_messages(cfg, s, channel, shared):
 
 
 def send_each(cfg, s, channel, shared):
+    from torchshm._lifetime import session
+
+    keeper = session.keeper_pid()  # the one this sender is joined to
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
     started = time.monotonic()
@@ -383,6 +391,9 @@ def send_each(cfg, s, channel, shared):
         except BrokenPipeError:
             break  # its receiver was killed
         sent = shared.handed[s] = seq + 1
+        if session.keeper_pid() != keeper:  # joined a new one (tally())
+            keeper = session.keeper_pid()
+            shared.rejoined[s] = time.monotonic()
         if channel.kind != "queue":
             shared.confirmed[s] = sent
         for a in scribble[:2]:  # the third is a view of the first
@@ -1073,17 +1084,17 @@ def tally(cfg, shared, killed_senders, gone_senders, killed_receivers, keeper_ki
         # Its sender exited (its exit handed what it sent to a keeper), then
         # a keeper that had its segment died; or its sender died without
         # its exit hook (SIGKILL, os._exit), and a keeper died after that (or
-        # just before, too soon for the sender to register it again).
+        # before, the sender not yet seen joined to the next one).
         if s not in gone_senders:
             return False
         index = s * MAX_MESSAGES + seq
-        begun, exited = shared.begun[index], shared.exited[s]
+        exited = shared.exited[s]
         tried = shared.tried[index] or float("inf")  # never arrived: not tried
         if exited:  # its exit hook's last look at its keeper
             return any(exited < gone and k < tried for k, gone in keeper_kills)
         death = shared.vanishing[s] or gone_senders[s]
         return death < tried and any(
-            begun - 0.5 <= k < tried and death <= k + REJOIN_GRACE
+            k < tried and death <= k + REJOIN_GRACE and shared.rejoined[s] <= k
             for k, _gone in keeper_kills
         )
 
@@ -1344,7 +1355,10 @@ def soak(args):
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     rng = random.Random(seed)
     log_dir = tempfile.mkdtemp(prefix="soak-logs-")
+    # All of it in the log directory too: a CI log keeps only its tail.
+    sys.stdout = _Tee(sys.stdout, os.path.join(log_dir, "soak.txt"))
     print(f"soak: seed {seed}, {args.minutes} min, logs in {log_dir}", flush=True)
+    recap = []  # each failed round's problems, repeated at the end
     files_before = shm_files()
     shmem_before = shmem_kib()
     end = time.monotonic() + args.minutes * 60
@@ -1423,6 +1437,8 @@ def soak(args):
         for line in problems[:16] + log_summary(log_path):
             print(f"    {line}", flush=True)
         if problems:
+            recap.append(f"round {index} (round seed {cfg['seed']}):")
+            recap.extend(f"    {line}" for line in problems[:16])
             for line in result.get("timeline", []):
                 print(f"    at {line}", flush=True)
         if problems or result.get("corrupted") or result.get("duplicated"):
@@ -1468,6 +1484,10 @@ def soak(args):
         f" errors {errors}; other new torchshm files {len(new)}",
         flush=True,
     )
+    if recap:
+        print(f"the problems again (whole report: {log_dir}/soak.txt):", flush=True)
+        for line in recap:
+            print(f"  {line}", flush=True)
     for path in sorted(ours)[:10]:
         print(f"  leftover file {path}{describe_file(path, roles)}", flush=True)
     for pid, session in sorted(keepers.items()):
@@ -1488,6 +1508,22 @@ def soak(args):
         _signal(pid, signal.SIGKILL)
     print("FAILED" if failed else "OK", flush=True)
     return 1 if failed else 0
+
+
+class _Tee:
+    """Writes to a stream and to a file."""
+
+    def __init__(self, stream, path):
+        self._stream = stream
+        self._file = open(path, "w")
+
+    def write(self, text):
+        self._file.write(text)
+        return self._stream.write(text)
+
+    def flush(self):
+        self._file.flush()
+        self._stream.flush()
 
 
 def main():
