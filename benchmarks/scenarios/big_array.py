@@ -28,8 +28,7 @@ def run(quick, bar):
             f"{sends} sends per method, each of a freshly built array; steady ="
             " median [min-max] of sends 2..N. The receiver reads every page.",
             f"First send: median [min-max] of {firsts} first sends, each from a"
-            " fresh sender, the methods in turn (torchshm's single first send"
-            " read 176 ms in the reference run, 566 ms in a later one).",
+            " fresh sender, the methods in a new order each round.",
         ],
     )
     methods = METHODS + peers.methods(peers.SEND_METHODS + ("tensordict",))
