@@ -1358,7 +1358,7 @@ def soak(args):
     # All of it in the log directory too: a CI log keeps only its tail.
     sys.stdout = _Tee(sys.stdout, os.path.join(log_dir, "soak.txt"))
     print(f"soak: seed {seed}, {args.minutes} min, logs in {log_dir}", flush=True)
-    recap = []  # each failed round's problems, repeated at the end
+    recap = []  # the problems of each round that failed, repeated at the end
     files_before = shm_files()
     shmem_before = shmem_kib()
     end = time.monotonic() + args.minutes * 60
@@ -1436,9 +1436,15 @@ def soak(args):
         )
         for line in problems[:16] + log_summary(log_path):
             print(f"    {line}", flush=True)
-        if problems:
+        failed_round = (
+            result["hangs"]
+            or result["errors"]
+            or any(result.get(key) for key in ("corrupted", "duplicated", "lost_live"))
+        )
+        if failed_round:
             recap.append(f"round {index} (round seed {cfg['seed']}):")
             recap.extend(f"    {line}" for line in problems[:16])
+        if problems:
             for line in result.get("timeline", []):
                 print(f"    at {line}", flush=True)
         if problems or result.get("corrupted") or result.get("duplicated"):
