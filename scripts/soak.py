@@ -314,6 +314,8 @@ def sender(cfg, s, channel, shared):
     _limit_fds(cfg["sender_nofile"])
     import torchshm  # noqa: F401  registers the reducers (spawn starts bare)
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck one's stacks
+
     if cfg["tensors"]:
         import torch
 
@@ -330,11 +332,30 @@ def in_this_or_a_late_thread(cfg, work, *args):
     """Runs work(*args) here, or, in a late-threads round, in a non-daemon
     thread that the process's target leaves working: multiprocessing then
     runs the exit finalizers, torchshm's among them, before the thread is
-    done (Note [Exit after the threads] in torchshm/_lifetime/lifecycle.py)."""
-    if cfg["late_threads"]:
-        threading.Thread(target=work, args=args, daemon=False).start()
-    else:
+    done (Note [Exit after the threads] in torchshm/_lifetime/lifecycle.py).
+
+    The thread starts its work once the exit has begun, as
+    tests/thread_exit_children.py's do: up to Python 3.12 a child's exit
+    runs a Queue's close finalizer (priority 10) as its target returns, so a
+    Queue whose feeder a thread had started before then is closed under it,
+    and its later puts are never written (the soak saw a sender hang after
+    one message). That is multiprocessing's, with or without torchshm; a
+    Queue the thread starts using after that point is flushed and joined
+    once the thread ends."""
+    if not cfg["late_threads"]:
         work(*args)
+        return
+    from multiprocessing import util
+
+    exiting = threading.Event()
+    util.Finalize(None, exiting.set, exitpriority=-50)  # above torchshm's -100
+    threading._register_atexit(exiting.set)  # 3.13: threads are joined first
+
+    def later():
+        if exiting.wait(STARTUP_SECONDS):
+            work(*args)
+
+    threading.Thread(target=later, daemon=False).start()
 
 
 def send_messages(cfg, s, channel, shared):
@@ -976,6 +997,8 @@ def driver(cfg):
                     if not sender_ended(s):
                         if cfg["owners"][s] not in killed_receivers:
                             hangs.append(f"sender {s} still sending")
+                            _signal(p.pid, signal.SIGUSR1)  # its stacks, to the log
+                            time.sleep(1)
                         p.kill()
                         p.join(5)
                         shared.final[s] = shared.confirmed[s]
