@@ -42,6 +42,18 @@ from torchshm._keeper import paths as _paths
 def report(**fields):
     print(json.dumps(fields), flush=True)
 
+def load_all(reader, n):
+    # n messages (i, array of i) from `reader`: True for each that loaded
+    # whole, else the error it raised.
+    loaded = []
+    for _ in range(n):
+        try:
+            i, a = reader.recv()
+            loaded.append(bool((a == i).all()))
+        except Exception as exc:
+            loaded.append(repr(exc)[:200])
+    return loaded
+
 def kill_keeper():
     pid = _session.keeper_pid()
     os.kill(pid, signal.SIGKILL)
@@ -216,13 +228,7 @@ if __name__ == "__main__":
         kill_keeper()
     bye_writer.send(None)
     child.join(60)
-    loaded = []
-    for _ in range(N):
-        try:
-            i, a = reader.recv()
-            loaded.append(bool((a == i).all()))
-        except Exception as exc:
-            loaded.append(repr(exc)[:200])
+    loaded = load_all(reader, N)
     try:
         state = open(f"/proc/{old}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -281,13 +287,7 @@ if __name__ == "__main__":
     go_writer.send(None)
     rejoined = ready_reader.recv()
     child.join(60)
-    loaded = []
-    for _ in range(N):
-        try:
-            i, a = reader.recv()
-            loaded.append(bool((a == i).all()))
-        except Exception as exc:
-            loaded.append(repr(exc)[:200])
+    loaded = load_all(reader, N)
     report(rejoined=rejoined, loaded=loaded, exitcode=child.exitcode)
 """
 
