@@ -380,7 +380,7 @@ def send_messages(cfg, s, channel, shared):
 def send_each(cfg, s, channel, shared):
     from torchshm._lifetime import session
 
-    keeper = session.keeper_pid()  # the one this sender is joined to
+    keeper = session.keeper_with_everything()  # the one that has all it made
     rng = random.Random(f"{cfg['seed']}/sender/{s}")
     owner = cfg["owners"][s]
     started = time.monotonic()
@@ -412,8 +412,9 @@ def send_each(cfg, s, channel, shared):
         except BrokenPipeError:
             break  # its receiver was killed
         sent = shared.handed[s] = seq + 1
-        if session.keeper_pid() != keeper:  # joined a new one (tally())
-            keeper = session.keeper_pid()
+        seen = session.keeper_with_everything()
+        if seen not in (0, keeper):  # a new one has all it made (tally())
+            keeper = seen
             shared.rejoined[s] = time.monotonic()
         if channel.kind != "queue":
             shared.confirmed[s] = sent

@@ -343,6 +343,18 @@ def hand_over(patience):
         _lock.release()
 
 
+def keeper_with_everything():
+    """The pid of the live keeper that has every segment this process created
+    and holds an fd of, or 0 while none does (it died, and no rejoin has
+    finished). Waits for a rejoin under way: keeper_pid() names the new
+    keeper as soon as the join is made, before the segments are registered.
+    What a test or the soak waits for before it kills a sender."""
+    with _lock:
+        if _session is None or not _keeper_has_everything():
+            return 0
+        return _keeper_pid
+
+
 def _keeper_has_everything():
     """Whether the keeper this process registered its segments with lives
     and has them all: its connection open (not at EOF); or, dropped after
