@@ -240,6 +240,15 @@ PYBIND11_MODULE(_C, m) {
     torchshm::fork_done_in_parent();
   });
   m.def("prepared_fork", &torchshm::prepared_fork);
+  m.def("freeze_born_for_fork", &torchshm::freeze_born_for_fork,
+        "Note [A plain send is as it was] (send/plan.h): born segments "
+        "frozen before a prepared fork; how many could not be.");
+  m.def("sends_by_value", &torchshm::sends_by_value,
+        "Whether a new message is pickled by value (Note [Messages at exit] "
+        "in send/message.h).");
+  m.def("forked_without_hooks", &torchshm::forked_without_hooks,
+        "Whether this process descends from a fork torchshm did not prepare "
+        "(Note [Forks torchshm did not prepare] in fork_guard.h).");
   m.def("after_fork_in_child", &torchshm::after_fork_in_child);
   m.def("remove_own_lock", &torchshm::remove_own_lock);
 

@@ -60,15 +60,15 @@ def born_sample(i):
 
 
 def write_inherited(inbox, outbox, array):
-    """A forked child writes to a born array it inherited."""
+    """A forked child writes to a born array it inherited, and reads it."""
     array[:5] = 42.0
-    outbox.put("written")
+    outbox.put(("written", float(array[:10].max())))
     assert inbox.get(timeout=TIMEOUT) == "exit"
 
 
 def small_born_sender(inbox, outbox, n):
-    """Sends a small born array by reference (threshold 0), then writes to
-    it: the receiver sees the write (a block is shared memory)."""
+    """Sends a small born array (threshold 0), then writes to it: the
+    receiver got a copy (a block of a slab is never frozen)."""
     torchshm.set_threshold(0)
     torchshm.set_allocator(True, min_bytes=1)
     before = torchshm.stats()

@@ -48,7 +48,7 @@ MULTIPROCESS_FIXTURES = {"ctx", "child", "method"}
 # Note [What each lane runs]
 # The pip lane (`make test`, the README's) runs every test. The others run
 # what their stack can change (`--lane`, given by the Makefile and
-# scripts/debian_lane.sh), so that .ci/run's seven lanes fit in 70 minutes
+# scripts/debian_lane.sh), so that .ci/run's eight lanes fit in 70 minutes
 # on a busy 2-core machine:
 # - any_stack: what no version of torch, NumPy, pandas or Python changes
 #   (the docs, notebooks, packaging and tooling, each run on the pip lane's

@@ -283,13 +283,15 @@ def test_free_with_a_live_receiver_does_not_let_the_pool_reuse(ctx, child):
     assert c.close() == 0
 
 
-def test_a_forked_child_shares_a_born_array_and_holds_it(child):
+def test_a_forked_child_writes_its_own_copy_of_a_born_array_and_holds_it(child):
+    # Note [A plain send is as it was] in csrc/send/plan.h: as NumPy's memory.
     with torchshm.allocating(min_bytes=MIN_BYTES):
         a = np.zeros(N)
     name = segment_of(a)
     c = child(mp.get_context("fork"), allocator_children.write_inherited, a)
-    assert c.receive() == "written"
-    assert (a[:5] == 42).all(), "no copy-on-write: parent and child share it"
+    assert c.receive() == ("written", 42.0)
+    assert not a[:5].any(), "the child's write reached its parent"
+    a[5:10] = 7.0  # the parent's own copy-on-write pages
     del a
     gc.collect()
     with torchshm.allocating(min_bytes=MIN_BYTES):

@@ -113,6 +113,7 @@ def _configure_native():
         policy=_sender.policy(),
         hooks=dict(
             reduce_other=_sender.reduce_other,
+            reduce_by_value=_sender.reduce_by_value,
             reduce_torch_owned=_sender.reduce_torch_owned,
             fall_back=_sender.fall_back,
             allocate=_sender.allocate,

@@ -41,6 +41,7 @@ import numpy as np
 
 from torchshm import _reduction
 from torchshm._lifetime import attach as _attach
+from torchshm._lifetime import forks as _forks
 from torchshm._send import registry as _registry
 from torchshm._lifetime import segments as _segments
 from torchshm._send import sender as _sender
@@ -209,6 +210,7 @@ def dumps(obj: Any) -> bytes:
     >>> torchshm.release(handle)
     True
     """
+    _forks.check_fork_hooks("torchshm.dumps()")
     _session.join()
     buffer = io.BytesIO()
     pickler = _HandlePickler(buffer)
@@ -285,6 +287,7 @@ def loads(data: bytes) -> Any:
     >>> torchshm.release(handle)
     True
     """
+    _forks.check_fork_hooks("torchshm.loads()")
     handle = _peek(data)
     if handle is None:
         raise ValueError("torchshm.loads: not a torchshm.dumps() handle")

@@ -7,6 +7,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
 from torchshm import _containers, _fallback
+from torchshm._lifetime import forks as _forks
 from torchshm._send import registry as _registry
 from torchshm._send import sender as _sender
 
@@ -100,6 +101,7 @@ def share(
     >>> data["records"][5]
     {'id': 5, 'label': '5'}
     """
+    _forks.check_fork_hooks("torchshm.share()")
     if not _registry.is_registered():
         raise RuntimeError(
             "torchshm.share() needs torchshm's reducers: call torchshm.register()"

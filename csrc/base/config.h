@@ -62,6 +62,7 @@ struct SenderPolicy {
 //   memory.
 #define TORCHSHM_HOOKS(HOOK) \
   HOOK(reduce_other)         \
+  HOOK(reduce_by_value)      \
   HOOK(reduce_torch_owned)   \
   HOOK(fall_back)            \
   HOOK(allocate)             \

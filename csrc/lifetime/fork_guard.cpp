@@ -9,6 +9,11 @@
 #include <mutex>
 #include <unordered_map>
 
+// Linux 4.17; older headers lack the name.
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+
 namespace torchshm {
 namespace {
 
@@ -52,7 +57,15 @@ void in_child() {
   if (g.inheriting) {
     advise_all(g, MADV_DONTFORK);  // this child's own forks
   } else {
-    g.mappings.clear();  // none of them is here
+    // None of them is here (DONTFORK). Their addresses stay reserved, never
+    // readable: a read of inherited torchshm memory faults every time, and
+    // no later mapping of this child (a large allocation) lands there to be
+    // read in its place. A syscall each, as async-signal-safe as fork needs.
+    for (const auto& [p, n] : g.mappings)
+      ::mmap(p, n, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE,
+             -1, 0);
+    g.mappings.clear();
     epoch.fetch_add(1);
   }
   g.prepared = g.inheriting = false;

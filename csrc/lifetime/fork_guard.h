@@ -14,10 +14,15 @@
 // pthread_atfork handlers here let every mapping be inherited for that fork
 // alone, and mark them DONTFORK again on both sides. In the child of an
 // unprepared fork, reading inherited torchshm memory faults (SIGSEGV)
-// instead of reading what the parent writes later, and what those
-// mappings' addresses hold there is not this library's: nothing unmaps or
-// reads them (Segment::lost()). A child that execs, as nearly every fork
-// from C does, loses nothing.
+// instead of reading what the parent writes later: the child's handler
+// keeps each of those address ranges reserved (PROT_NONE), so no later
+// mapping of the child (a large allocation) lands there and is read in its
+// place. Nothing unmaps them or reads a lost segment's header
+// (Segment::lost()), so dropping an inherited array or exiting is safe.
+// torchshm is off in such a child and its children (forked_without_hooks):
+// its sends pickle by value, and its calls raise one error that names the
+// cause (torchshm/_lifetime/lifecycle.py, fork_hooks_missing). A child that
+// execs, as nearly every fork from C does, loses nothing.
 // Cost: one madvise per mapping made (a segment created or attached, a
 // private or read-only mapping), against the tens of microseconds a mapping
 // costs; per prepared fork, three madvise calls per mapping (the parent's
@@ -65,5 +70,8 @@ void fork_done_in_parent();
 // Bumped in the child of an unprepared fork: a mapping made in an earlier
 // epoch is not in this process.
 uint64_t mapping_epoch();
+// Whether this process is (or descends from) the child of a fork torchshm
+// did not prepare: its session, lock and slots are its parent's.
+inline bool forked_without_hooks() { return mapping_epoch() != 0; }
 
 }  // namespace torchshm

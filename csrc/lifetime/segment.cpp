@@ -33,6 +33,17 @@ namespace {
 
 constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
+// What a lost segment's questions read (Segment::header): unlinked, no
+// slot taken. Zero pages until the first lost segment asks; never freed.
+SegmentHeader* lost_header() {
+  static SegmentHeader* header = [] {
+    auto* h = new SegmentHeader{};
+    h->unlinked.store(1);
+    return h;
+  }();
+  return header;
+}
+
 // Below this, one thread compares.
 constexpr int64_t kMinComparePerThread = 16 << 20;
 
@@ -77,6 +88,11 @@ Segment::Segment(std::string session, uint64_t uid, void* base,
 }
 
 SegmentHeader* Segment::header() const {
+  // In the child of a fork torchshm did not prepare the header is not
+  // mapped (Note [Forks torchshm did not prepare] in fork_guard.h): every
+  // question then reads "unlinked, held by nobody", and no answer or
+  // release there touches what the parent still uses.
+  if (lost()) return lost_header();
   return static_cast<SegmentHeader*>(base_);
 }
 

@@ -295,12 +295,19 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // A block of a slab is never frozen (its slab's other blocks are shared
   // memory): small born arrays stay shared, as the allocator's page says.
   // False if it cannot (no fd, the mapping refused): then the caller copies.
+  // Note [A plain send is as it was] in send/plan.h says when a freeze is
+  // enough and when the sender copies instead.
   bool freeze_data();
   bool data_frozen() const;
   // Whether this process wrote a page of data bytes [lo, hi) since it froze.
   bool frozen_written(int64_t lo, int64_t hi);
   // Maps the data shared again (the pool reuses it); false if it cannot.
   bool thaw_data();
+  // Another process may write this segment's data through a shared mapping
+  // (it was share()d, or a fork child inherited it shared): a plain send of
+  // it copies, never freezes (Note [A plain send is as it was]).
+  void others_may_write() { others_may_write_.store(true); }
+  bool may_be_written_by_others() const { return others_may_write_.load(); }
   // Maps data bytes [at, at + n) privately (copy-on-write) over [p, p + n),
   // memory that is not torchshm's, from this process's fd: the pages of an
   // array whose snapshot this is (Note [One copy of a sent array] in
@@ -389,6 +396,7 @@ class Segment : public std::enable_shared_from_this<Segment> {
   std::atomic<int64_t> views_{0};
   std::atomic<bool> defers_releases_{false};
   std::atomic<bool> retired_{false};
+  std::atomic<bool> others_may_write_{false};
   std::atomic<uint8_t*> idle_private_{nullptr};  // set under mappings_mutex_
   bool idle_written_ = false;  // of idle_private_: the mutex's
   // A private mapping a thread of process walking_pid_ walks for written

@@ -8,7 +8,9 @@
 #include "base/numpy_api.h"
 #include "base/python_compat.h"
 #include "base/stats.h"
+#include "lifetime/segment.h"
 #include "lifetime/slabs.h"
+#include "lifetime/views.h"
 
 namespace torchshm {
 namespace {
@@ -290,5 +292,21 @@ bool born_whole_segment(const void* data) {
 }
 
 int64_t born_blocks() { return static_cast<int64_t>(blocks.size()); }
+
+int64_t freeze_born_for_fork() {
+  int64_t shared = 0;
+  for (const auto& [address, block] : blocks) {
+    if (block.slab != nullptr) continue;
+    View* view = view_of(py::handle(block.owner).cast<at::Tensor>());
+    if (view == nullptr) continue;
+    Segment& segment = *view->segment;
+    if (segment.may_be_written_by_others()) continue;  // shared on purpose
+    if (!segment.freeze_data()) {
+      segment.others_may_write();  // both sides write one mapping now
+      ++shared;
+    }
+  }
+  return shared;
+}
 
 }  // namespace torchshm

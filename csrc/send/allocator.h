@@ -62,4 +62,10 @@ Slabs::Block carve_block(size_t size);
 // Born blocks alive in this process.
 int64_t born_blocks();
 
+// Before a prepared fork: freezes every born segment that is not shared on
+// purpose, so that parent and child each get copy-on-write memory as NumPy's
+// own would be (Note [A plain send is as it was] in plan.h). The number that
+// could not be frozen (the child shares them: their sends copy).
+int64_t freeze_born_for_fork();
+
 }  // namespace torchshm

@@ -13,6 +13,7 @@
 #include "base/numpy_api.h"
 #include "base/python_compat.h"
 #include "base/stats.h"
+#include "lifetime/fork_guard.h"
 #include "lifetime/identity.h"
 #include "lifetime/live.h"
 #include "lifetime/segment.h"
@@ -181,6 +182,16 @@ std::atomic<int64_t> messages_alive{0};
 }  // namespace
 
 void begin_exit() { exiting.store(true); }
+
+// Note [Messages at exit]: once the exit hook began, a message no other
+// thread had under way goes by value, unless the interpreter is finalizing
+// (then a thread other than the main one sleeps: current_message). So does
+// every message of a fork torchshm did not prepare (fork_guard.h).
+bool sends_by_value() {
+  if (forked_without_hooks()) return true;
+  if (!exiting.load()) return false;
+  return on_main_thread() || !interpreter_finalizing();
+}
 int64_t live_messages() { return messages_alive.load(); }
 // Counted only off the main thread, which runs the exit hook itself (a
 // message of its own that something keeps alive must not delay every exit).
@@ -202,7 +213,7 @@ py::object current_message() {
   } else if (PyErr_Occurred()) {
     throw py::error_already_set();
   }
-  if (exiting.load() && !on_main_thread()) {
+  if (exiting.load() && !on_main_thread() && interpreter_finalizing()) {
     PyEval_SaveThread();  // Note [Messages at exit]
     sleep_until_exit();
   }
@@ -368,6 +379,7 @@ PyObject* reduce_ndarray(PyObject* /*self*/, PyObject* obj) {
   const Config& c = config();
   if (PyArray_Check(obj)) {
     auto* a = reinterpret_cast<PyArrayObject*>(obj);
+    if (sends_by_value()) return call_hook(c.hooks.reduce_by_value, obj);
     if (!PyDataType_REFCHK(PyArray_DESCR(a)) && PyArray_SIZE(a) > 0) {
       const int64_t nbytes = PyArray_NBYTES(a);
       if (nbytes < c.policy.inline_below()) {

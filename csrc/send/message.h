@@ -61,14 +61,22 @@ namespace torchshm {
 // exit] describes, out of our reach (1 to 3 exits in 100 of
 // tests/test_exit.py's daemon-thread sender, pip stack). So torchshm's exit
 // hook (torchshm/_lifetime/lifecycle.py, _exit) calls begin_exit() before
-// finalization: a message that another thread starts after that never
-// starts (the thread sleeps until the exit, GIL released: Python code can
-// no longer run in it anyway), and the hook waits, for a bounded time, for
-// the messages that other threads have under way to be done
-// (live_messages()). Queues' feeder threads are joined before the hook
-// runs: what they send is sent.
+// finalization, and waits, for a bounded time, for the messages that other
+// threads have under way to be done (live_messages()). A message any
+// thread starts after that is pickled by value (sends_by_value: no segment,
+// no ticket, nothing for the exit to let go of): Python code still runs
+// after the hook, an atexit handler that puts into a Queue and joins its
+// feeder among it (multiprocessing runs its finalizers, ours included,
+// before sys.exit runs atexit's handlers). Only once the interpreter is
+// finalizing does a thread other than the main one sleep at a new message
+// until the exit, GIL released (Python code can no longer run in it
+// anyway). Queues' feeder threads are joined before the hook runs: what
+// they send is sent.
 void begin_exit();
 int64_t live_messages();
+// Whether a new array is pickled by value (see the Note; also in the child
+// of a fork torchshm did not prepare: fork_guard.h).
+bool sends_by_value();
 
 // Counts a message made off the main thread while it lives (live_messages).
 class OffMainThreadCount {

@@ -130,12 +130,15 @@ Placement Plan::place(PyArrayObject* array) {
     // Pages of a private (or read-only) mapping that this process wrote
     // are its own, not the segment's: a reference would send the segment's
     // bytes instead.
-    // A born array is sent as it was: the creator's mapping of its segment
-    // is frozen at its first send (Note [A born array is sent as it was] in
-    // segment.h); where that cannot be, it is copied.
-    const bool born = !root && !root_tensor.defined() &&
-                      born_whole_segment(PyArray_DATA(nearest));
-    if (born && !sharing && !view->segment->freeze_data())
+    // Note [A plain send is as it was] (plan.h): a born array is frozen at
+    // its first plain send while nobody else may write it, else copied; a
+    // born array share() sends may be written by its receivers from then on.
+    Segment& segment = *view->segment;
+    const bool born = !root && !root_tensor.defined();
+    if (born && sharing) segment.others_may_write();
+    if (born && !sharing &&
+        (!born_whole_segment(PyArray_DATA(nearest)) ||
+         segment.may_be_written_by_others() || !segment.freeze_data()))
       return copy_view(array, extent(), root, nearest);
     auto written = [&] {
       if (view->kind == Segment::Mapping::kShared &&

@@ -47,6 +47,44 @@ namespace torchshm {
 // issues one per reference it writes (SegmentRef in message.h, Note
 // [Segment lifetime] in segment.h).
 
+// Note [A plain send is as it was]
+// The rule every mechanism of the sender keeps: a plain send (anything
+// multiprocessing pickles, share() aside) delivers the bytes as they were at
+// the send, and nothing written afterwards reaches the receiver, whoever
+// writes: the sender, its threads, its fork children, its parent, a process
+// that holds the same memory through share(), a pool or slab reusing the
+// block. share() (and memory made shared on purpose: its results where they
+// arrive, handles of shared objects, a torch tensor's shared storage, which
+// torch itself shares) is shared both ways and stays so. A mechanism that
+// cannot prove the sender is the only process that may write the bytes a
+// receiver maps copies them. How each keeps it:
+// - A copy (kCopied) is a snapshot: nobody writes it until its pool reuses
+//   it, which waits for every holder (Note [Segment lifetime] in segment.h).
+// - Received snapshots are mapped privately, and a process sending on one
+//   sends a reference only while it wrote none of its pages (Note
+//   [Snapshots are mapped privately]).
+// - A born array with a segment of its own is frozen at its first send
+//   (Note [A born array is sent as it was] in segment.h): its creator's
+//   mapping becomes private, so only if no other process maps it shared and
+//   writable. So a prepared fork freezes every born segment first
+//   (freeze_born_for_fork, allocator.h): parent and child then each write
+//   their own copy-on-write pages over bytes nobody writes, as NumPy's own
+//   memory gives a fork child, and either may send it by reference while it
+//   wrote none of its pages (frozen_written). A born segment that share()
+//   handed out, or whose freeze at a fork failed, may be written by others
+//   (Segment::may_be_written_by_others): a plain send copies it.
+// - A block of a slab (a small born array) is never frozen (its slab's other
+//   blocks are shared memory): a plain send copies it, as it would an
+//   array of NumPy's.
+// - A fork torchshm did not prepare (Note [Forks torchshm did not prepare]
+//   in fork_guard.h), or a message begun once the exit hook ran (Note
+//   [Messages at exit] in message.h): arrays are pickled by value.
+// What stays shared across a prepared fork: memory shared on purpose, and
+// small born blocks (slabs also carry torch's small shared storages, which
+// torch shares with a fork child): a fork child writing an inherited small
+// born array writes its parent's; sends are as they were all the same.
+// scripts/fuzz holds the library to this rule against TORCHSHM_DISABLE=1.
+
 // Where one array goes.
 struct Placement {
   enum Kind { kSegment, kTorchOwned, kCopied };

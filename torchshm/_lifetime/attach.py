@@ -13,6 +13,7 @@ import time
 from torchshm import _config, _stats
 from torchshm._lifetime import expiry as _expiry
 from torchshm._lifetime import fds as _fds
+from torchshm._lifetime import forks as _forks
 from torchshm._lifetime import holdings as _holdings
 from torchshm._keeper import paths as _paths
 from torchshm._lifetime import mappings as _mappings
@@ -28,6 +29,7 @@ def attach(locator, ticket, generation):
     A message loaded a second time finds its ticket claimed: it takes a slot
     of its own, valid only while the segment still holds the generation the
     message was written in (Note [Segment lifetime] in csrc/lifetime/segment.h)."""
+    _forks.check_fork_hooks("receiving an array through shared memory")
     name, where = parse_locator(locator)
     _pins.poll()  # Note [Pinned in place]
     _join_to_load()

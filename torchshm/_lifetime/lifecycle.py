@@ -10,6 +10,7 @@ from multiprocessing import util
 
 from torchshm import _compat, _fallback, _stats
 from torchshm._lifetime import expiry as _expiry
+from torchshm._lifetime import forks as _forks
 from torchshm._lifetime import holdings as _holdings
 from torchshm._lifetime import mappings as _mappings
 from torchshm._lifetime import pins as _pins
@@ -54,6 +55,8 @@ def _lock_with_timer_halted():
 
 
 def _before_fork():
+    if _forks.forked_without_hooks():
+        return  # torchshm is off here: no thread, no holding of its own
     # No torchshm thread may be alive across fork (Python 3.12+ warns, and a
     # thread holding a lock would leave it held in the child): joined, and
     # gone from /proc/self/task (Note [Threads at fork] in csrc/base/parallel.h).
@@ -69,6 +72,9 @@ def _before_fork():
     if unprotected:
         _stats.add("segments_pinned_at_fork", len(unprotected))
         _warn_pinned(len(unprotected), why)
+    # Note [A plain send is as it was] in csrc/send/plan.h: the child's born
+    # memory is its own copy-on-write, as NumPy's would be.
+    _C.freeze_born_for_fork()
     _C.prepared_fork()  # the child may inherit segment memory now
 
 
@@ -110,6 +116,8 @@ def _warn_pinned(count, why):
 
 
 def _after_fork_in_parent():
+    if _forks.forked_without_hooks():
+        return
     _for_child.clear()
     _C.after_fork_in_parent()
     # Not restarted here: Python 3.13 counts threads for its fork warning
@@ -120,6 +128,8 @@ def _after_fork_in_parent():
 
 def _after_fork_in_child():
     global _exit_deferred, _threads_joined
+    if _forks.forked_without_hooks():
+        return
     _exit_deferred = _threads_joined = False  # the parent's end, not ours
     _stats.after_fork_in_child()
     _holdings.after_fork_in_child()
@@ -222,6 +232,8 @@ def _threads_python_waits_for():
 
 def _exit():
     global _exit_deferred, handed_over_at
+    if _forks.forked_without_hooks():
+        return  # the session, lock and slots here are the parent's
     keep_holdings = False
     if _threads_python_waits_for():
         if not _threads_joined:

@@ -14,6 +14,7 @@ import time
 from typing import Iterator, Optional
 
 from torchshm import _config, _fallback, _stats
+from torchshm._lifetime import forks as _forks
 from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
 
@@ -29,9 +30,11 @@ def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
     ones, keep NumPy's default); an array is always freed by the handler that
     allocated it, whatever is current by then.
 
-    A born array is shared like a torch tensor after ``share_memory_()``:
-    what the sender writes to it after sending, receivers that still hold it
-    see. When shared memory cannot take an allocation (a memory limit),
+    A born array is sent as it was, as any array is: what the sender (or a
+    fork child, which gets its own copy-on-write pages) writes to it after a
+    send reaches no receiver (Note [A plain send is as it was] in
+    csrc/send/plan.h); `share` makes memory that every holder writes. When
+    shared memory cannot take an allocation (a memory limit),
     NumPy's own memory is used instead, with one ``RuntimeWarning``, counted
     in ``stats()["allocations_fallback"]``.
 
@@ -74,6 +77,7 @@ def allocating(min_bytes: Optional[int] = None) -> Iterator[None]:
     >>> torchshm.is_shared(small), torchshm.is_shared(large)
     (False, True)
     """
+    _forks.check_fork_hooks("torchshm.allocating()")
     previous = _C.swap_numpy_handler(_handler(min_bytes))
     try:
         yield
@@ -142,6 +146,7 @@ def set_allocator(enabled: bool, min_bytes: Optional[int] = None) -> None:
     current = _C.current_numpy_handler()
     fallback = _C.born_fallback(current)
     if enabled:
+        _forks.check_fork_hooks("torchshm.set_allocator(True)")
         if fallback is None or min_bytes is not None:
             _C.swap_numpy_handler(_handler(min_bytes))
     elif fallback is not None:
@@ -199,6 +204,8 @@ def source(nbytes):
     Never raises: an exception here would surface in whatever NumPy call
     allocated."""
     global _at_cap
+    if _forks.forked_without_hooks():
+        return None  # torchshm is off there (_lifetime/forks.py)
     if nbytes > _segments.MAX_SEGMENT_BYTES:
         return None  # no memory holds it: NumPy's own MemoryError says so
     if _still_at_cap():

@@ -20,6 +20,7 @@ import numpy as np
 from torch.multiprocessing import get_sharing_strategy as sharing_strategy
 
 from torchshm import _compat, _config, _fallback, _stats, _strings
+from torchshm._lifetime import forks as _forks
 from torchshm._lifetime import segments as _segments
 from torchshm._compat import untyped_storage
 from torchshm._native import _C
@@ -87,6 +88,21 @@ def reduce_other(array):
         return array.__reduce__()  # not an ndarray (a numpy scalar)
     except Exception as exc:  # noqa: BLE001 - raising here loses the message
         return fall_back(array, exc)
+
+
+def reduce_by_value(array):
+    """The native reducer's hook where no new message may use shared memory
+    (after the exit hook, in the child of a fork torchshm did not prepare:
+    Note [A plain send is as it was] in csrc/send/plan.h): numpy's own
+    reduce under torchshm's name, so that the receiver does not blame a
+    sender without torchshm (Note [Arrays that arrive by value] in
+    arrivals.py). Raises only for memory such a child cannot read."""
+    owner = _C.memory_owner(array)
+    if owner is not None and _C.in_torchshm_memory(owner):
+        _forks.check_fork_hooks("sending an array over inherited shared memory")
+    if array.dtype.hasobject:
+        return reduce_other(array)
+    return rebuild_by_value, array.__reduce__()
 
 
 def fall_back(array, exc):

@@ -43,6 +43,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from torchshm import _compat, _config, _fallback
+from torchshm._lifetime import forks as _forks
 from torchshm._lifetime import segments as _segments
 from torchshm._native import _C
 from torchshm._reduction import rebuild_storage, rebuild_storage_block
@@ -105,6 +106,8 @@ def reduce_storage(storage):
     """The ForkingPickler reducer of torch's untyped storage (see the
     module's docstring)."""
     ours = False
+    if _C.sends_by_value():  # Note [A plain send is as it was] in csrc/send/plan.h
+        return _by_torch(storage)
     try:
         view = shared_view(storage)
         ours = view is not None
@@ -128,6 +131,16 @@ def reduce_storage(storage):
         # torch's own sharing moves a storage into its memory in place: never
         # one of torchshm's, which arrays may lie over (they would dangle).
         return _torch_reduce(storage.clone() if ours else storage)
+
+
+def _by_torch(storage):
+    """torch's own reduce, where torchshm makes no new message: after the exit
+    hook, or in the child of a fork torchshm did not prepare (where memory
+    of torchshm's it inherited cannot be read)."""
+    if shared_view(storage) is None:
+        return _torch_reduce(storage)
+    _forks.check_fork_hooks("sending a tensor over shared memory")
+    return _torch_reduce(storage.clone())
 
 
 def _reference(rebuild, owner, *where):
