@@ -344,20 +344,6 @@ def test_an_array_on_huge_pages_gives_them_back(child):
     assert receiver.close() == 0
 
 
-def test_resize_of_a_sent_array_is_refused_by_numpy(child):
-    """The pages are no longer one mapping that realloc() could move: NumPy
-    refuses resize() of an array with a weak reference, which torchshm
-    keeps while the array's pages are the snapshot's."""
-    sent = model()
-    receiver = child(torchshm_ctx(), kids.hold_and_report)
-    receiver.send(sent)
-    receiver.receive()
-    with pytest.raises(ValueError, match="resize"):
-        sent.resize(sent.size * 2)
-    receiver.send(None)
-    assert receiver.close() == 0
-
-
 def test_below_the_size_or_not_owning_its_data_is_copied_as_before():
     small = np.arange((_sender.ONE_COPY_MIN - 4096) // 8, dtype=np.float64)
     big = model()
@@ -374,3 +360,30 @@ def torchshm_ctx():
     import multiprocessing as mp
 
     return mp.get_context("spawn")
+
+
+@pytest.mark.parametrize("nbytes", [256 << 10, BIG], ids=["copied", "one copy"])
+def test_a_sent_array_resizes_as_numpys_and_is_sent_as_it_is_then(child, nbytes):
+    """Note [Knowing that a sent array is gone] in csrc/send/array_watch.h:
+    no weak reference on the array, so resize(refcheck=False) works after a
+    send, as it does without torchshm; what was sent stays as it was, and the
+    next send carries the resized bytes."""
+
+    def fresh():
+        return model() if nbytes == BIG else np.arange(nbytes // 8, dtype=np.float64)
+
+    sent = fresh()
+    receiver = child(torchshm_ctx(), kids.hold_and_report)
+    receiver.send(sent)
+    assert receiver.receive()[1] == described(fresh())
+    held = _C.one_copy_held()
+    sent.resize(nbytes // 4, refcheck=False)  # moved: NumPy's realloc
+    assert _C.one_copy_held() == held - (nbytes == BIG)
+    sent[:] = 7.0
+    sent.resize(nbytes // 8, refcheck=False)  # larger again: zeros added
+    receiver.send(sent)
+    assert receiver.receive()[1] == described(sent)
+    receiver.send("look")
+    assert receiver.receive() == [described(fresh()), described(sent)]
+    receiver.send(None)
+    assert receiver.close() == 0

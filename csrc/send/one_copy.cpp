@@ -14,6 +14,7 @@
 #include "lifetime/live.h"
 #include "lifetime/views.h"
 #include "send/allocator.h"
+#include "send/array_watch.h"
 
 namespace torchshm {
 namespace {
@@ -32,6 +33,7 @@ constexpr size_t kSizeBits = 0x7;
 bool default_handler(PyArrayObject* array) {
   PyObject* capsule = PyArray_HANDLER(array);
   if (capsule == nullptr) return false;
+  capsule = unwatched_handler(capsule);  // one sent before
   py::object fallback = born_fallback(capsule);
   if (!fallback.is_none()) capsule = fallback.ptr();
   auto* handler = static_cast<PyDataMem_Handler*>(
@@ -104,7 +106,7 @@ bool glibc_malloc() {
 }
 
 struct Held {
-  py::object weak;  // to the array; its callback lets go
+  py::object weak;  // keeps the watch on the array, whose end lets go
   py::object view;  // the segment's first view: no reuse while held
   uint64_t forks;   // unprepared_forks() when it began
 };
@@ -158,7 +160,7 @@ void adopt_pages(PyArrayObject* nearest, const py::object& view,
   auto found = table.find(key);
   py::object weak;
   if (found == table.end()) {
-    weak = weak_ref_forgetting(key, [](PyObject* dead) {
+    weak = forget_when_gone(key, [](PyObject* dead) {
       auto& entries = held();
       auto it = entries.find(dead);
       if (it == entries.end()) return;

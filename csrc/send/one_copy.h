@@ -24,17 +24,17 @@
 //   enough, which after many frees it may be; then the block is copied as
 //   any heap block): free() unmaps the whole chunk, so the
 //   mapping dies with the array, and realloc() of a chunk that is no longer
-//   one mapping fails over to malloc + copy + unmap (NumPy refuses resize()
-//   of an array with a weak reference, which this keeps, refcheck=False
-//   or not: NumPy 1.24 and 2.4 seen);
+//   one mapping fails over to malloc + copy + unmap (resize() works: the
+//   array is watched through its handler, not weakly referenced, Note
+//   [Knowing that a sent array is gone] in array_watch.h);
 // - at least ONE_COPY_MIN bytes (torchshm/_send/sender.py): the copy gets a
 //   segment of its own, placed at the array's offset within a page so that
 //   pages line up.
 // Everything else is copied as before (heap blocks of glibc's arenas, whose
 // freed pages glibc may hand out again while our mapping is over them;
 // mmap-backed arrays; torch-owned memory, which torch's own path moves).
-// Lifetime: the segment's first view is held while the array lives (a weak
-// reference's callback drops it, before NumPy frees the data), so the pool
+// Lifetime: the segment's first view is held while the array lives (its
+// watch drops it, before NumPy frees or moves the data), so the pool
 // never rewrites a snapshot under the sender's pages, and a fork torchshm
 // prepares gives the child a slot in it like any live view. A send of the
 // array after a write maps its pages over the new snapshot, and the old one

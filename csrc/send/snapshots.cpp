@@ -6,6 +6,7 @@
 #include "lifetime/live.h"
 #include "lifetime/private_mappings.h"
 #include "lifetime/views.h"
+#include "send/array_watch.h"
 #include "send/one_copy.h"
 
 namespace torchshm {
@@ -70,7 +71,7 @@ void SnapshotCache::remember(py::handle key, int64_t lo, int64_t hi,
                              int64_t at) {
   py::object weak;
   try {
-    weak = weak_ref_forgetting(
+    weak = forget_when_gone(  // Note [Knowing that a sent array is gone]
         key, [](PyObject* dead) { snapshots().entries_.erase(dead); });
   } catch (const py::error_already_set&) {
     // No weak references to it (bytes, say): not remembered, the next send

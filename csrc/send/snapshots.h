@@ -17,8 +17,9 @@ namespace torchshm {
 // snapshot] in message.h): 4 tasks that take one 1 GiB model made 4 copies.
 // For every copy (a segment of its own, or a place in the message's chunk:
 // a model of many small layers is as common as one large one) the plan
-// remembers here, per buffer (its root object, weakly: an object that cannot
-// be weakly referenced is not remembered), the bytes it copied and where:
+// remembers here, per buffer (its root object, until it dies: Note [Knowing
+// that a sent array is gone] in array_watch.h; an object that cannot be
+// watched is not remembered), the bytes it copied and where:
 // the segment (weakly), the offset and its generation. When a later message
 // copies the same bytes of the same buffer, and that segment is still alive in
 // this process with that generation, the array is compared with the snapshot
@@ -35,8 +36,8 @@ namespace torchshm {
 // snapshot, it goes as before, and the next send copies. A chunk holds the
 // copies of several arrays: a resend of one of them keeps the whole chunk,
 // as any receiver of that message does. Cost for arrays that are never sent
-// again (a DataLoader's fresh batches): a weak reference and a table entry
-// per copy, dropped with the array. share() never
+// again (a DataLoader's fresh batches): a watch and a table entry per copy,
+// dropped with the array. share() never
 // reuses a snapshot (its copy must be shared memory). Two threads that copy
 // the same array at the same time (two Queues' feeder threads) each make a
 // copy: the entry is written once a copy is done; an executor's or a Pool's
@@ -58,7 +59,7 @@ class SnapshotCache {
 
  private:
   struct Entry {
-    py::object weak;  // to the key; its callback erases the entry
+    py::object weak;  // keeps the key's watch, whose end erases the entry
     int64_t lo, hi, at;
     std::weak_ptr<Segment> segment;
     uint64_t generation;
