@@ -47,7 +47,7 @@ INSTALLER := requirements/installer.txt
 with_installer = $(call PIP,$(1)/bin/python) install -q -r $(INSTALLER) 2>&1 | $(QUIET_PIP)
 UV_INSTALL = $(1)/bin/uv pip install -q --compile-bytecode -p $(1)/bin/python
 
-.PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak device \
+.PHONY: deps build wheel test test-debian12 test-debian13 test-newest bench soak fuzz device \
 	prepare-debian12 prepare-debian13 prepare-newest \
 	docs figures notebooks lint format lock lock-newest clean
 
@@ -135,6 +135,11 @@ SOAK_MINUTES ?= 1
 
 soak: build
 	$(PY) scripts/soak.py --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+
+# The differential fuzzer (scripts/fuzz): random programs, each run with torchshm and with TORCHSHM_DISABLE=1, must observe the same bytes.
+FUZZ_MINUTES ?= 1
+fuzz: build
+	$(PY) -m scripts.fuzz --minutes $(or $(MINUTES),$(FUZZ_MINUTES)) $(FUZZ_ARGS)
 
 # On a GPU machine (the device): builds torchshm with that machine's Python
 # and g++-12, runs the CUDA-only checks and the GPU scenario, and writes a
