@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/numpy_api.h"
+#include "base/python_compat.h"
 #include "lifetime/live.h"
 
 namespace torchshm {
@@ -41,10 +42,9 @@ void end_watch(void* data) {
   if (found == table.end()) return;
   Watch watch = std::move(found->second);
   table.erase(found);
-  PyObject *type, *value, *traceback;  // NumPy may free while one propagates
-  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* pending = fetch_error();  // NumPy may free while one propagates
   for (auto forget : watch.forget) forget(watch.owner);
-  PyErr_Restore(type, value, traceback);
+  restore_error(pending);
 }
 
 Wrapped& wrapped_ctx(void* ctx) { return *static_cast<Wrapped*>(ctx); }
