@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -195,7 +196,10 @@ def main(argv=None):
         fuzz.look_for_leftovers(wait=True)
     finally:
         fuzz.runner.close()
-    return fuzz.summary()
+    status = fuzz.summary()
+    if not status and not fuzz.counts["invalid"]:  # nothing to look at
+        shutil.rmtree(fuzz.workdir, ignore_errors=True)
+    return status
 
 
 if __name__ == "__main__":

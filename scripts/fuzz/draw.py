@@ -265,7 +265,7 @@ def ep_rawfork(b):
         nbytes = max(b.nbytes(), b.state.threshold)
         a = b.new(sender, make=r.choice(["heap", "born"]), nbytes=nbytes)
         got = b.send(sender, p, [a]) if a else None
-    action = r.choices(["drop", "send", "read", "none"], [5, 2, 1, 2])[0]
+    action = r.choices(["drop", "send", "read", "none"], [6, 2, 1, 2])[0]
     step = {"op": "rawfork", "at": p, "action": action, "var": None, "chan": None}
     step.update(to=None, exit=r.choice(["os._exit", "sys.exit"]), **{"as": None})
     if action == "drop":
@@ -391,7 +391,7 @@ EPISODES = {  # name: (function, weight)
     "relatives": (ep_relatives, 3),
     "reuse": (ep_reuse, 3),
     "share": (ep_share, 2.5),
-    "rawfork": (ep_rawfork, 2.5),
+    "rawfork": (ep_rawfork, 3),
     "atexit": (ep_atexit, 1.5),  # a spawn child: seconds
     "exit": (ep_exit, 1),
     "resize": (ep_resize, 0.7),
