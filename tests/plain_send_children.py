@@ -71,6 +71,14 @@ def keep_inherited(inbox, outbox, array, peer):
             outbox.put(summary(array))
 
 
+def send_back_beside_inherited(inbox, outbox, array):
+    """A fork child with an inherited born array: receives the same array
+    from its parent, sends both back in one message, and waits to end."""
+    got = inbox.get(timeout=TIMEOUT)
+    outbox.put((array, got, np.shares_memory(array, got)))
+    assert inbox.get(timeout=TIMEOUT) is None
+
+
 # ------------------------------------------------------- slab blocks reused
 
 

@@ -145,6 +145,25 @@ def test_the_parents_write_after_a_fork_child_sent_reaches_no_receiver(ctx):
     assert exitcodes == [0, 0]
 
 
+def test_two_arrays_over_one_segment_through_two_mappings_arrive_as_two():
+    # Found by `make fuzz` (seed 1474355747): the child's inherited born
+    # array and the same bytes received back are two memories there, sent
+    # in one message; the receiver, which rebuilds a message's references to
+    # one segment over one mapping, got them as one.
+    with children() as start:
+        a = born(1.0)
+        child = start(FORK, kids.send_back_beside_inherited, a)
+        child.send(a)
+        inherited, received, shared_there = child.receive()
+        inherited[...] = 8.0
+        seen = (shared_there, np.shares_memory(inherited, received))
+        seen += (kids.summary(received), kids.summary(a))
+        del inherited, received
+        exitcode = end(child)
+    assert seen == (False, False, summary(1.0), summary(1.0))
+    assert exitcode == [0]
+
+
 # ------------------------------------------------- 3. slab blocks reused
 
 # Arrays of 16 KiB and more are born in the workers, 32 KiB ones carved

@@ -149,8 +149,15 @@ Placement Plan::place(PyArrayObject* array) {
         return view->segment->frozen_written(offset + lo, offset + hi);
       return written_privately(view, offset + lo, offset + hi);
     };
-    if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
-        !written()) {
+    // A receiver rebuilds every reference of a message to one segment over
+    // one mapping: two arrays this process holds over different mappings
+    // of it (two messages' private ones, an inherited born array beside a
+    // received one) would arrive as one memory. The second one is copied.
+    const void* mapping = owner.storage().data_ptr().get();
+    const auto [first, fresh] = mappings_.emplace(view->segment.get(), mapping);
+    const bool other_mapping = !fresh && first->second != mapping;
+    if (!other_mapping && !view->segment->unlinked() &&
+        !(sharing && view->segment->snapshot()) && !written()) {
       count(kArraysResent);
       py::object ref_owner = root_tensor.defined()
                                  ? py::reinterpret_borrow<py::object>(root)

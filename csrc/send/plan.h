@@ -76,6 +76,11 @@ namespace torchshm {
 // - A block of a slab (a small born array) is never frozen (its slab's other
 //   blocks are shared memory): a plain send copies it, as it would an
 //   array of NumPy's.
+// - Two arrays over one segment through different mappings of this process
+//   (two messages' private ones, a born array beside the same bytes
+//   received back) are two memories here, so the second is copied: a
+//   receiver rebuilds a message's references to one segment over one
+//   mapping, and they would arrive as one.
 // - A fork torchshm did not prepare (Note [Forks torchshm did not prepare]
 //   in fork_guard.h), or a message begun once the exit hook ran (Note
 //   [Messages at exit] in message.h): arrays are pickled by value.
@@ -135,6 +140,9 @@ class Plan {
   static Target allocate(int64_t n);
 
   std::unordered_map<PyObject*, Root> roots_;
+  // The mapping (its address here) through which this message first named
+  // each segment by reference: a receiver rebuilds one mapping per segment.
+  std::unordered_map<const Segment*, const void*> mappings_;
   Target chunk_;
   int64_t chunk_used_ = 0;
 };
