@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
@@ -162,6 +163,21 @@ def test_two_arrays_over_one_segment_through_two_mappings_arrive_as_two():
         exitcode = end(child)
     assert seen == (False, False, summary(1.0), summary(1.0))
     assert exitcode == [0]
+
+
+def test_a_share_results_read_only_array_and_its_writable_one_are_both_references():
+    """share() maps a read-only array's bytes privately and the rest of its
+    segment shared: two memories over different bytes, which a receiver's
+    one mapping keeps apart. A pandas frame's index codes are such arrays."""
+    kept = np.full(N, 2.0)
+    kept.flags.writeable = False
+    writable, read_only = torchshm.share((np.full(N, 1.0), kept))
+    before = torchshm.stats()["bytes_copied"]
+    got = ForkingPickler.loads(ForkingPickler.dumps((writable, read_only)))
+    assert torchshm.stats()["bytes_copied"] == before
+    assert [kids.summary(a) for a in got] == [summary(1.0), summary(2.0)]
+    assert np.shares_memory(got[0], writable) and np.shares_memory(got[1], read_only)
+    assert not got[1].flags.writeable
 
 
 # ------------------------------------------------- 3. slab blocks reused

@@ -149,15 +149,8 @@ Placement Plan::place(PyArrayObject* array) {
         return view->segment->frozen_written(offset + lo, offset + hi);
       return written_privately(view, offset + lo, offset + hi);
     };
-    // A receiver rebuilds every reference of a message to one segment over
-    // one mapping: two arrays this process holds over different mappings
-    // of it (two messages' private ones, an inherited born array beside a
-    // received one) would arrive as one memory. The second one is copied.
-    const void* mapping = owner.storage().data_ptr().get();
-    const auto [first, fresh] = mappings_.emplace(view->segment.get(), mapping);
-    const bool other_mapping = !fresh && first->second != mapping;
-    if (!other_mapping && !view->segment->unlinked() &&
-        !(sharing && view->segment->snapshot()) && !written()) {
+    if (!view->segment->unlinked() && !(sharing && view->segment->snapshot()) &&
+        !written() && names_one_memory(*view, owner, offset, extent)) {
       count(kArraysResent);
       py::object ref_owner = root_tensor.defined()
                                  ? py::reinterpret_borrow<py::object>(root)
@@ -183,6 +176,28 @@ Placement Plan::place(PyArrayObject* array) {
                      nearest};
   }
   return copy_view(array, extent(), root, nearest);
+}
+
+bool Plan::names_one_memory(
+    const View& view, const at::Tensor& owner, int64_t offset,
+    const std::function<std::pair<int64_t, int64_t>()>& extent) {
+  // Every shared mapping of a segment not frozen here is the one memory;
+  // a private (or frozen) mapping is a memory of its own.
+  const void* memory =
+      view.kind == Segment::Mapping::kShared && !view.segment->data_frozen()
+          ? nullptr
+          : owner.storage().data_ptr().get();
+  NamedBytes& named = named_[view.segment.get()];
+  const auto [lo, hi] = extent();
+  if (!named.ranges.empty() && memory != named.ranges.front().memory)
+    named.one_memory = false;
+  // Only a segment named through two memories needs the search.
+  if (!named.one_memory)
+    for (const Named& n : named.ranges)
+      if (n.memory != memory && n.lo < offset + hi && offset + lo < n.hi)
+        return false;
+  named.ranges.push_back(Named{memory, offset + lo, offset + hi});
+  return true;
 }
 
 Placement Plan::copy(PyArrayObject* array, const Placement& torch_owned) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <vector>
 
@@ -12,6 +13,8 @@
 #include "lifetime/segment.h"
 
 namespace torchshm {
+
+struct View;
 
 // Note [Sender plan]
 // multiprocessing pickles each message with a fresh pickler; torchshm keeps
@@ -76,11 +79,13 @@ namespace torchshm {
 // - A block of a slab (a small born array) is never frozen (its slab's other
 //   blocks are shared memory): a plain send copies it, as it would an
 //   array of NumPy's.
-// - Two arrays over one segment through different mappings of this process
-//   (two messages' private ones, a born array beside the same bytes
-//   received back) are two memories here, so the second is copied: a
-//   receiver rebuilds a message's references to one segment over one
-//   mapping, and they would arrive as one.
+// - Two arrays over the same bytes of one segment through different
+//   memories of this process (two messages' private mappings, a frozen born
+//   array beside the same bytes received back) are two memories here, so
+//   the second is copied: a receiver rebuilds a message's references to one
+//   segment over one mapping, and they would arrive as one. Arrays over
+//   different bytes (a read-only snapshot's private mapping beside the
+//   shared one, as share() gives) are references both.
 // - A fork torchshm did not prepare (Note [Forks torchshm did not prepare]
 //   in fork_guard.h), or a message begun once the exit hook ran (Note
 //   [Messages at exit] in message.h): arrays are pickled by value.
@@ -140,9 +145,24 @@ class Plan {
   static Target allocate(int64_t n);
 
   std::unordered_map<PyObject*, Root> roots_;
-  // The mapping (its address here) through which this message first named
-  // each segment by reference: a receiver rebuilds one mapping per segment.
-  std::unordered_map<const Segment*, const void*> mappings_;
+  // Whether a reference to `offset` + extent() of `view`'s segment, through
+  // `owner`'s mapping, overlaps no bytes this message named through another
+  // memory (see the Note); if so, records it.
+  bool names_one_memory(
+      const View& view, const at::Tensor& owner, int64_t offset,
+      const std::function<std::pair<int64_t, int64_t>()>& extent);
+
+  // The bytes of each segment this message named by reference, and the
+  // memory (the mapping, nullptr for the shared one) each was read through.
+  struct Named {
+    const void* memory;
+    int64_t lo, hi;
+  };
+  struct NamedBytes {
+    std::vector<Named> ranges;
+    bool one_memory = true;
+  };
+  std::unordered_map<const Segment*, NamedBytes> named_;
   Target chunk_;
   int64_t chunk_used_ = 0;
 };
