@@ -177,6 +177,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("forget_deferred_releases", &torchshm::forget_deferred_releases);
   // Note [Small blocks]: the sizes, for the tests and the benchmarks.
+  m.attr("KEPT_FDS_FROM") = py::int_(torchshm::kKeptFdsFrom);
   m.attr("SLAB_BYTES") = py::int_(torchshm::Slabs::kSlabBytes);
   m.attr("SMALL_BLOCK_MAX") = py::int_(torchshm::Slabs::kMaxBlock);
   m.attr("RETIRED_SLABS_FLOOR") = py::int_(torchshm::Slabs::kRetiredFloor);

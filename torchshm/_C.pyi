@@ -14,6 +14,7 @@ EXPIRY_THREAD_NAME: str
 HOOKS: tuple[Any, ...]
 ITEM_MAX_DEPTH: int
 ITEM_TAG: int
+KEPT_FDS_FROM: int
 LAYOUT: dict[str, int]
 PICKLE_TAG: int
 RETIRED_SLABS_FLOOR: int

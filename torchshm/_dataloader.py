@@ -38,8 +38,10 @@ register_in_worker, in worker processes only (born_shared_here: a hook run
 in the main process leaves it off). A hook the user built with chain(fn,
 allocate=False) is left as it is. What it costs an array that never leaves
 the worker: its allocation from the pool instead of NumPy's (`python -m
-benchmarks --only born_cost`), and its memory counts as shared until it is
-freed.
+benchmarks --only born_cost`), an fd kept while it lives (numbered from 1024
+up, so the worker's own sockets stay within select()'s reach: Note [Kept fds
+above select's range] in csrc/lifetime/segment.h), and its memory counts as
+shared until it is freed.
 
 Note [One segment per batch]
 `np.stack` into fresh memory and then a send copies each batch twice: once

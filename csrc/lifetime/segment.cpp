@@ -33,6 +33,14 @@ namespace {
 
 constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
+// Note [Kept fds above select's range] (segment.h).
+int kept_above_select_range(int fd) {
+  const int high = ::fcntl(fd, F_DUPFD_CLOEXEC, kKeptFdsFrom);
+  if (high < 0) return fd;  // EINVAL: the soft limit is kKeptFdsFrom or less
+  ::close(fd);
+  return high;
+}
+
 // What a lost segment's questions read (Segment::header): unlinked, no
 // slot taken. Zero pages until the first lost segment asks; never freed.
 SegmentHeader* lost_header() {
@@ -115,6 +123,7 @@ std::shared_ptr<Segment> Segment::create(const std::string& session,
   std::snprintf(tag, sizeof tag, "torchshm-segment:%s:%d", session.c_str(),
                 index);
   int fd = ::memfd_create(tag, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd >= 0) fd = kept_above_select_range(fd);
   void* base = MAP_FAILED;
   int err = fd < 0 ? errno : 0;
   if (!err && (::ftruncate(fd, static_cast<off_t>(total)) != 0 ||

@@ -21,8 +21,9 @@
 // mapping, never an fd. The creator keeps its fd while it keeps the segment
 // and, once its last view is gone, while a message naming it is in flight
 // (prune_in_flight), so that its messages survive a keeper's death. Those
-// fds count against the hard fd limit: the creator raises its soft limit
-// as they need, and past a quarter of the hard limit it makes no new
+// fds take numbers from FD_SETSIZE up (Note [Kept fds above select's
+// range]) and count against the hard fd limit: the creator raises its soft
+// limit as they need, and past a quarter of the hard limit it makes no new
 // segment (its arrays are pickled by value, torchshm/_lifetime/segments.py).
 // Cost of a first map (one-off, 2-core reference machine): ~18 us through
 // /proc against ~15 us for shm_open of a /dev/shm file; ~25 us through the
@@ -183,6 +184,7 @@
 #pragma once
 
 #include <c10/util/Exception.h>
+#include <sys/select.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -197,6 +199,19 @@
 #include "lifetime/table.h"
 
 namespace torchshm {
+
+// Note [Kept fds above select's range]
+// A creator's kept fds are one per born array a Dataset caches, one per
+// copy that one copy keeps: at the lowest free numbers, they would push the
+// process's own sockets and files past 1023, where select() raises
+// ValueError (paramiko, pexpect, older drivers). So a kept fd takes a number
+// from kKeptFdsFrom (FD_SETSIZE) up, and the first segment a process makes
+// raises its soft limit past that where the hard limit allows
+// (torchshm/_lifetime/segments.py): the process's own fds stay where they
+// would be without torchshm. Under a hard limit of FD_SETSIZE or less, they
+// take the lowest numbers, as any fd does. The cost: an fcntl and a close
+// per segment made.
+constexpr int kKeptFdsFrom = FD_SETSIZE;
 
 class Segment : public std::enable_shared_from_this<Segment> {
  public:

@@ -174,8 +174,14 @@ def _create(capacity, populate=True):
 def _reserve_creator_fd():
     """Makes room for one more creator fd within CREATOR_FD_SHARE of the fd
     limit, raising the soft limit towards the hard one; raises
-    SharedMemoryError(EMFILE) past the hard limit's share."""
+    SharedMemoryError(EMFILE) past the hard limit's share. Its fd takes a
+    number from KEPT_FDS_FROM up: the first one raises the soft limit past
+    that where the hard limit allows (Note [Kept fds above select's range]
+    in csrc/lifetime/segment.h)."""
     soft, hard = _fds.limits()
+    if soft <= _C.KEPT_FDS_FROM < hard:
+        _fds.raise_soft_limit(2 * _C.KEPT_FDS_FROM)
+        soft, hard = _fds.limits()
     if _C.open_creator_fds() + 1 <= CREATOR_FD_SHARE * soft:
         return
     _C.prune_in_flight()  # those whose messages were read since
