@@ -125,6 +125,10 @@ PYBIND11_MODULE(_C, m) {
             return reinterpret_cast<uintptr_t>(segment.data());
           })
       .def_property_readonly("created_here", &Segment::created_here)
+      .def("hold_for_device", &Segment::hold_for_device)
+      .def("release_for_device", &Segment::release_for_device)
+      .def_property_readonly("held_for_device", &Segment::held_for_device)
+      .def_property_readonly("data_frozen", &Segment::data_frozen)
       .def_property("defers_releases", &Segment::defers_releases,
                     &Segment::defer_releases)
       .def_property_readonly("generation", &Segment::generation)
@@ -358,6 +362,9 @@ PYBIND11_MODULE(_C, m) {
        {"rebuild_ndarray", "rebuild_inline", "message_token"})
     m.attr(name) = torchshm::wire_function(name);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
+  m.def("shared_address", &torchshm::shared_address, py::arg("owner"),
+        py::arg("address"), py::arg("nbytes"),
+        py::call_guard<py::gil_scoped_release>());
 
   // Torch storages in segments (tensors.h, Note [Tensor storages]).
   m.def("move_storage", &torchshm::move_storage, py::arg("tensor"),

@@ -28,6 +28,12 @@ class Samples(tud.Dataset):
         return sample(i)
 
 
+def stack(samples):
+    """A NumPy collate: its batches are born shared in the worker (Note
+    [Batches born shared] in torchshm/_dataloader.py)."""
+    return {key: np.stack([s[key] for s in samples]) for key in samples[0]}
+
+
 def expected(indices):
     """What a batch of these samples holds, as CPU tensors."""
     x = torch.stack([torch.full(SHAPE, float(i)) for i in indices])
@@ -46,3 +52,11 @@ def send_batches(inbox, outbox, rounds):
     for r in range(rounds):
         outbox.put(torchshm.collate([wide_sample(r), wide_sample(r + 1)]))
         inbox.get(timeout=TIMEOUT)
+
+
+def send_born_batch(inbox, outbox):
+    """Sends one np.stack batch (born shared here), then waits."""
+    with torchshm.allocating():
+        batch = stack([sample(0), sample(1)])
+    outbox.put(batch)
+    inbox.get(timeout=TIMEOUT)

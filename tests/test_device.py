@@ -6,9 +6,11 @@ memory reused before its copy completed shows as a wrong checksum (Note
 in csrc/lifetime/views.h, Note [Which copies are safe] in
 torchshm/_device.py)."""
 
+import ctypes
 import gc
 import os
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
@@ -83,7 +85,11 @@ def _wrong_batches(fake, device_batches):
     return wrong
 
 
-COLLATES = {"torchshm.collate": torchshm.collate, "default": tud.default_collate}
+COLLATES = {
+    "torchshm.collate": torchshm.collate,
+    "np.stack": dc.stack,
+    "default": tud.default_collate,
+}
 
 
 @pytest.mark.parametrize("collate", COLLATES)
@@ -135,11 +141,10 @@ def _two_epochs(loader, segments, held):
             # the labels are born shared too, in the worker's small blocks,
             # which a plain send copies into the message's snapshot (Note [A
             # plain send is as it was] in csrc/send/plan.h): the message's
-            # chunk, which is not pinned, so only the batch's are counted.
-            for key, leaf in batch.items():
-                name = _C.segment_of(_C.memory_owner(leaf)).name
-                if key == "x":
-                    segments.add(name)
+            # chunk, pinned in place as well (Note [Born batches pinned in
+            # place] in torchshm/_device.py).
+            for leaf in batch.values():
+                segments.add(_C.segment_of(_C.memory_owner(leaf)).name)
             held.append(torchshm.to_device(batch))
 
 
@@ -347,3 +352,131 @@ def test_a_process_unregisters_everything_before_it_exits(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["0", "[]", "1"], run.stdout
+
+
+# --- born batches, and a registered mapping that stays as it is (Note [Born
+# batches pinned in place] in torchshm/_device.py, Note [A registered mapping
+# stays as it is] in csrc/lifetime/segment.h)
+
+
+@pytest.mark.parametrize("collate", ["torchshm.collate", "np.stack"])
+def test_np_stack_batches_go_the_pinned_path_as_collates_do(fake_cuda, collate):
+    # np.stack's arrive as snapshots mapped privately; their bytes are
+    # copied from the segment's shared mapping, registered.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # pin_memory without CUDA
+        held = list(torchshm.device_loader(_loader(COLLATES[collate])))
+    assert _wrong_batches(fake_cuda, held) == []
+    assert fake_cuda.calls["register"] > 0
+    assert fake_cuda.pageable_bytes == 0
+
+
+def test_a_received_batch_written_here_goes_as_pageable_memory(fake_cuda, ctx, child):
+    # A page the receiver wrote in its private mapping is its own: the
+    # shared mapping no longer has those bytes.
+    c = child(ctx, dc.send_born_batch)
+    batch = c.receive()
+    batch["x"][0, 0, :4] = -1.0
+    on_device = torchshm.to_device(batch)
+    fake_cuda.synchronize()
+    assert torch.equal(on_device["x"], torch.from_numpy(batch["x"]))
+    assert fake_cuda.pageable_bytes >= batch["x"].nbytes
+    del batch
+    c.send(None)
+    assert c.close() == 0
+
+
+def test_a_frozen_born_array_is_never_registered(fake_cuda):
+    # A fork child sees its parent's born segment frozen (a private
+    # mapping): here, the creator's own after a send.
+    with torchshm.allocating():
+        a = np.full(1 << 18, 3.0)
+    received = ForkingPickler.loads(ForkingPickler.dumps(a))  # frozen at a send
+    segment = _C.segment_of(_C.memory_owner(a))
+    frozen, held = segment.data_frozen, segment.hold_for_device()
+    del a, received, segment
+    torchshm.trim()
+    assert frozen and not held
+
+
+def test_a_held_born_array_is_copied_at_its_send_not_frozen(fake_cuda):
+    with torchshm.allocating():
+        a = np.full(1 << 18, 3.0)
+    segment = _C.segment_of(_C.memory_owner(a))
+    assert segment.hold_for_device()
+    before = torchshm.stats()["bytes_copied"]
+    received = ForkingPickler.loads(ForkingPickler.dumps(a))
+    copied = torchshm.stats()["bytes_copied"] - before
+    frozen = segment.data_frozen
+    segment.release_for_device()
+    assert np.array_equal(received, a)
+    del a, received, segment
+    torchshm.trim()
+    assert copied >= 1 << 21 and not frozen
+
+
+def test_a_fork_child_does_not_register_its_inherited_born_array(tmp_path):
+    run = run_python(
+        """
+        import os, sys
+        import numpy as np
+        import torchshm
+        from torchshm._cuda import fake, runtime
+        with torchshm.allocating():
+            a = np.full(1 << 18, 3.0)
+        pid = os.fork()  # a prepared fork: the born segment is frozen
+        if pid == 0:
+            f = fake.FakeRuntime(delay=0.01)  # the child's own runtime
+            with runtime.use(f):
+                moved = torchshm.to_device({"a": a})
+                f.synchronize()
+                ok = bool((moved["a"].numpy() == 3.0).all())
+                print(ok, f.calls["register"], f.check(), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        """
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == "True 0 []\n", run.stderr[-2000:]
+
+
+def _shared_memfd(nbytes):
+    fd = os.memfd_create("fake-rule")
+    os.ftruncate(fd, nbytes)
+    return fd
+
+
+def test_the_fake_sees_a_registered_range_remapped_shared_to_private():
+    import mmap
+
+    fake = _fake.FakeRuntime()
+    fd = _shared_memfd(4 * _fake.PAGE)
+    try:
+        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED)
+        address = np.frombuffer(m, np.uint8).ctypes.data
+        fake.register(address, 4 * _fake.PAGE)
+        assert fake.check() == []
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3
+        libc.mmap.argtypes += [ctypes.c_long]
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | 0x10
+        assert libc.mmap(address, 4 * _fake.PAGE, prot, flags, fd, 0) == address
+        assert [v for v in fake.check() if "remapped" in v]
+    finally:
+        os.close(fd)
+
+
+def test_the_fake_sees_a_private_mapping_of_a_file_registered():
+    import mmap
+
+    fake = _fake.FakeRuntime()
+    fd = _shared_memfd(4 * _fake.PAGE)
+    try:
+        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_PRIVATE)
+        address = np.frombuffer(m, np.uint8).ctypes.data
+        fake.register(address, 4 * _fake.PAGE)
+        assert [v for v in fake.violations if "private mapping" in v]
+        fake.unregister(address)
+    finally:
+        os.close(fd)

@@ -39,6 +39,21 @@ from torchshm._send import registry as _registry
 # A write into the CPU batch while a copy of it runs is the caller's race,
 # as with any pinned memory.
 
+# Note [Born batches pinned in place]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A batch born in a worker (np.stack, Note [Batches born shared] in
+# _dataloader.py) arrives as a snapshot, mapped privately here (Note
+# [Snapshots are mapped privately] in csrc/lifetime/segment.h), and a
+# private mapping is never registered. Its bytes are also the segment's:
+# nobody writes a snapshot's file until the pool reuses it, which waits for
+# this process's slot, and that waits for the copies (Note [Copies before
+# reuse]). So to_device copies such a leaf from the segment's shared mapping,
+# registered, where this process wrote none of its pages (_C.shared_address);
+# a page written here is its own and the leaf goes as pageable memory.
+# torchshm.collate's batches and np.stack's then take the same path. The
+# DataLoader's pin hook cannot: torch's pin_memory would return a tensor over
+# the shared mapping, where a write would reach the other receivers.
+
 # Extents of one segment this close are copied as one: launching a copy
 # costs more than copying a gap this small (about 5 us at 50 GB/s).
 MERGE_GAP = 256 << 10
@@ -164,9 +179,9 @@ def pin_memory(*args, **kwargs):
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
             continue
-        segment = _segment_under(leaf)
-        if segment is not None:
-            _pins.pin(segment)
+        under = _segment_under(leaf)
+        if under is not None:
+            _pins.pin(under[0])
     return pin_memory.torchshm_original(*args, **kwargs)
 
 
@@ -257,10 +272,11 @@ def _span(host):
     return (last + 1) * host.element_size()
 
 
-def _segment_under(leaf):
+def _segment_under(leaf, private_too=False):
     """The segment whose shared mapping holds all of `leaf`'s bytes (a
-    tensor or an array), or None (ordinary memory, a private or read-only
-    mapping)."""
+    tensor or an array), and how far from the leaf's address they lie
+    there; None (ordinary memory, a read-only mapping, a private one unless
+    `private_too`: Note [Born batches pinned in place])."""
     if isinstance(leaf, torch.Tensor):
         owner = leaf
         lo, span = leaf.data_ptr(), _span(leaf)
@@ -273,11 +289,12 @@ def _segment_under(leaf):
     if segment is None:
         block = _C.block_of(owner)  # a small storage, in a slab
         segment = None if block is None else _C.segment_of(block[0])
-    if segment is None or not (
-        segment.address <= lo and lo + span <= segment.address + segment.capacity
-    ):
+    if segment is None:
         return None
-    return segment
+    if segment.address <= lo and lo + span <= segment.address + segment.capacity:
+        return segment, 0
+    shared = _C.shared_address(owner, lo, span) if private_too else 0
+    return (segment, shared - lo) if shared else None
 
 
 class _Extent:
@@ -300,9 +317,13 @@ def _extents(leaves, hosts):
     for index, (leaf, host) in enumerate(zip(leaves, hosts)):
         if host is None or host.numel() == 0:
             continue
-        segment = _segment_under(leaf)
+        under = _segment_under(leaf, private_too=True)
         aligned = host.data_ptr() % host.element_size() == 0
-        if segment is not None and aligned and _pins.pin(segment):
+        if under is not None and aligned and _pins.pin(under[0]):
+            segment, shift = under
+            if shift:  # the same bytes, in the shared mapping
+                flat = _bytes_at(host.data_ptr() + shift, _span(host))
+                host = flat.view(host.dtype).as_strided(host.shape, host.stride())
             by_segment.setdefault(segment.address, []).append((index, host))
             continue
         # Pageable memory (or torch's own pinned memory): copied from the

@@ -318,6 +318,17 @@ class Segment : public std::enable_shared_from_this<Segment> {
   bool frozen_written(int64_t lo, int64_t hi);
   // Maps the data shared again (the pool reuses it); false if it cannot.
   bool thaw_data();
+  // Note [A registered mapping stays as it is]
+  // CUDA DMAs the pages it locked at registration (torchshm/_lifetime/
+  // pins.py): a registered range remapped (a freeze: shared -> private)
+  // would give the device stale bytes with no error, and registering a
+  // private mapping breaks its copy-on-write on every page. So the GPU
+  // registers the shared mapping only while it is not frozen
+  // (hold_for_device), and a freeze refuses while it is held: the send
+  // copies instead.
+  bool hold_for_device();
+  void release_for_device();
+  bool held_for_device() const;
   // Another process may write this segment's data through a shared mapping
   // (it was share()d, or a fork child inherited it shared): a plain send of
   // it copies, never freezes (Note [A plain send is as it was]).
@@ -430,8 +441,9 @@ class Segment : public std::enable_shared_from_this<Segment> {
   uint64_t readonly_generation_ = 0;
   WriteWatch readonly_clean_;
   mutable std::mutex mappings_mutex_;
-  bool write_fill_ = false;   // created without populate: fill_fresh_pages
-  bool data_frozen_ = false;  // freeze_data(); the mutex's
+  bool write_fill_ = false;       // created without populate: fill_fresh_pages
+  bool data_frozen_ = false;      // freeze_data(); the mutex's
+  bool held_for_device_ = false;  // hold_for_device(); the mutex's
   // While frozen: the shared mapping's pages, moved aside (park_tracked in
   // fork_guard.h) for thaw_data to move back. The mutex's.
   uint8_t* parked_ = nullptr;

@@ -32,7 +32,8 @@ bool Segment::freeze_data() {
   std::lock_guard<std::mutex> guard(mappings_mutex_);
   if (data_frozen_) return true;
   const int fd = fd_.load();
-  if (fd < 0 || lost()) return false;
+  // Note [A registered mapping stays as it is] (segment.h).
+  if (fd < 0 || lost() || held_for_device_) return false;
   const auto n = static_cast<size_t>(capacity_);
   const auto at = static_cast<int64_t>(kHeaderBytes);
   // The shared mapping's pages are parked, mapped, for thaw_data: a
@@ -46,6 +47,23 @@ bool Segment::freeze_data() {
   data_frozen_ = true;
   mark_snapshot();
   return true;
+}
+
+bool Segment::hold_for_device() {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  if (data_frozen_) return false;
+  held_for_device_ = true;
+  return true;
+}
+
+void Segment::release_for_device() {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  held_for_device_ = false;
+}
+
+bool Segment::held_for_device() const {
+  std::lock_guard<std::mutex> guard(mappings_mutex_);
+  return held_for_device_;
 }
 
 bool Segment::data_frozen() const {

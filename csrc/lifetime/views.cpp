@@ -259,6 +259,19 @@ bool written_privately(const View* view, int64_t lo, int64_t hi) {
   return false;
 }
 
+uintptr_t shared_address(const at::Tensor& owner, uintptr_t address,
+                         int64_t nbytes) {
+  const View* view = view_of(owner);
+  if (view == nullptr || view->lease == nullptr || nbytes < 0) return 0;
+  const Segment& segment = *view->segment;
+  const auto start = reinterpret_cast<uintptr_t>(view->lease->data);
+  if (address < start || segment.lost() || segment.data_frozen()) return 0;
+  const auto lo = static_cast<int64_t>(address - start);
+  if (lo > segment.capacity() - nbytes) return 0;
+  if (written_privately(view, lo, lo + nbytes)) return 0;
+  return reinterpret_cast<uintptr_t>(segment.data()) + lo;
+}
+
 std::vector<DeferredRelease> take_deferred_releases() {
   std::lock_guard<std::mutex> guard(deferred_mutex);
   std::vector<DeferredRelease> taken;

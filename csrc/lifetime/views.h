@@ -83,6 +83,13 @@ py::object message_owner(py::handle owner, int threads);
 // read-only mapping behind `view` (those pages are its own now, not the
 // segment's); false for a view of the shared mapping.
 bool written_privately(const View* view, int64_t lo, int64_t hi);
+// Where in the segment's shared mapping the bytes [address, address +
+// nbytes) of `owner`'s private mapping (a snapshot's) lie, while they are
+// the same bytes: this process wrote none of those pages and the segment is
+// not frozen here; 0 otherwise. Note [Born batches pinned in place] in
+// torchshm/_device.py.
+uintptr_t shared_address(const at::Tensor& owner, uintptr_t address,
+                         int64_t nbytes);
 // A data pointer to the start of the mapping `owner` (a tensor view_of
 // knows) lies over: its message's private mapping, else the shared one;
 // its context is a new view owning no slot, keeping the slot owner's

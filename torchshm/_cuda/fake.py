@@ -5,9 +5,13 @@ script's CPU half, never for users.
 - Registration is kept per address range: a range that is not page-aligned,
   empty, not mapped, or overlaps one registered already is refused with
   CUDA's error; unregistering a range that is not registered is refused. A
-  registered range that is no longer mapped by the file it was registered
-  over (unmapped, or mapped anew) is a violation, found at every call and by
-  check().
+  registered range that is no longer mapped as it was registered (unmapped,
+  mapped anew, remapped from shared to private or back: real CUDA goes on
+  reading the pages it locked, stale bytes with no error) is a violation,
+  found at every call and by check(). So is registering a private mapping
+  of a file, which CUDA accepts but which breaks its copy-on-write on every
+  page (Note [A registered mapping stays as it is] in
+  csrc/lifetime/segment.h).
 - A copy is asynchronous, as CUDA's from pinned memory is: it reads its
   source only when it completes, a random time (up to twice `delay`) after
   it was issued, in any order, and only when the runtime is asked about it
@@ -80,6 +84,7 @@ class FakeRuntime:
         self.registered = {}  # address -> (nbytes, what maps it then)
         self.violations = []
         self.calls = collections.Counter()
+        self.pageable_bytes = 0  # copied from memory not registered
         self._pid = os.getpid()
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
@@ -116,6 +121,11 @@ class FakeRuntime:
             what = _mapped(address, nbytes)
             if what is None:
                 raise CudaError("cudaHostRegister", INVALID_VALUE, "invalid argument")
+            if what[0] == "private" and what[2] != "0":  # inode 0: anonymous
+                self.violations.append(
+                    f"a private mapping of a file ({address:#x}, {nbytes} bytes)"
+                    " was registered"
+                )
             self.registered[address] = (nbytes, what)
 
     def unregister(self, address):
@@ -145,7 +155,7 @@ class FakeRuntime:
             if _mapped(address, nbytes, maps) != what:
                 self.violations.append(
                     f"a registered range ({address:#x}, {nbytes} bytes) was"
-                    " unmapped before it was unregistered"
+                    " unmapped or remapped before it was unregistered"
                 )
                 del self.registered[address]
 
@@ -181,6 +191,7 @@ class FakeRuntime:
                 self._pending.append(op)
             else:
                 op.run()  # pageable: staged before the call returns
+                self.pageable_bytes += nbytes
             stream.ops.append(op)
 
     def _pinned(self, address, nbytes):
@@ -274,12 +285,14 @@ def _due(op):
 
 
 def _maps():
-    """[(start, end, device, inode, file offset)] of /proc/self/maps, sorted."""
+    """[(start, end, shared or private, device, inode, file offset)] of
+    /proc/self/maps, sorted."""
     with open("/proc/self/maps") as f:
         lines = [line.split() for line in f]
     return [
         (
             *(int(x, 16) for x in fields[0].split("-")),
+            "shared" if fields[1][3] == "s" else "private",
             fields[3],
             fields[4],
             int(fields[2], 16),
@@ -289,15 +302,16 @@ def _maps():
 
 
 def _mapped(address, nbytes, maps=None):
-    """(device, inode, file offset at `address`) of the file mapped over all
-    of [address, address + nbytes), or None."""
+    """(shared or private, device, inode, file offset at `address`) of the
+    one mapping kind of one file over all of [address, address + nbytes), or
+    None."""
     end, at, found = address + nbytes, address, None
-    for lo, hi, dev, inode, offset in maps if maps is not None else _maps():
+    for lo, hi, kind, dev, inode, offset in maps if maps is not None else _maps():
         if hi <= at:
             continue
         if lo > at:
             return None  # a hole
-        here = (dev, inode, offset + (at - lo) - (at - address))
+        here = (kind, dev, inode, offset + (at - lo) - (at - address))
         if found is None:
             found = here
         elif here != found:

@@ -22,7 +22,10 @@ from torchshm._native import _C
 #   pins it: DataLoader's pin thread through torchshm's hook
 #   (_device.pin_memory), or torchshm.to_device. Not private or read-only
 #   mappings (a snapshot's: a page this process writes there becomes its
-#   own copy, which a pinned page would not follow), not segments this
+#   own copy, which a pinned page would not follow; a frozen born segment's,
+#   Note [A registered mapping stays as it is] in csrc/lifetime/segment.h);
+#   to_device copies a snapshot's unwritten bytes from the shared mapping
+#   instead (Note [Born batches pinned in place] in _device.py). Not segments this
 #   process created (its pool reuses one the moment its last local view
 #   dies: no slot to hold back), and nothing past TORCHSHM_PIN_BYTES: those
 #   are copied as pageable memory.
@@ -79,9 +82,15 @@ def pin(segment):
                 " them too)",
             )
             return False
+        # A frozen mapping is private: never registered, and a registered
+        # one is never frozen (Note [A registered mapping stays as it is] in
+        # csrc/lifetime/segment.h).
+        if not segment.hold_for_device():
+            return False
         try:
             runtime.register(segment.address, segment.capacity)
         except _runtime.CudaError as exc:
+            segment.release_for_device()
             _fallback.warn_once(
                 ("pins", "refused"),
                 f"torchshm: pinning shared memory for the GPU failed ({exc});"
@@ -117,6 +126,7 @@ def _unpin(name):
     del _pinned[name]
     _pinned_bytes -= segment.capacity
     segment.defers_releases = False
+    segment.release_for_device()
 
 
 def pinned_bytes():
@@ -184,6 +194,7 @@ def after_fork_in_child():
     _lock = threading.RLock()
     for segment in _pinned.values():
         segment.defers_releases = False
+        segment.release_for_device()
     _pinned.clear()
     _pinned_bytes = 0
     _deferred.clear()
