@@ -215,6 +215,50 @@ def test_arrow_buffers_of_a_shared_table_are_sent_by_reference(ctx, no_leaks, ch
             )
 
 
+def hold_table(inbox, outbox, table):
+    """A spawn worker's start: it receives the table in its arguments and
+    keeps it, as a worker keeps its Dataset."""
+    outbox.put(table.num_rows)
+    inbox.get()
+
+
+def test_an_unchanged_arrow_table_sent_to_six_spawn_workers_is_copied_once(
+    no_leaks, child
+):
+    # A datasets.Dataset is an Arrow table in memory: each spawn worker's
+    # start pickles it anew, and each pickle makes new Buffer objects.
+    import multiprocessing as mp
+
+    pa = pytest.importorskip("pyarrow")
+    column = np.arange(3 << 20, dtype=np.int64)  # 24 MiB
+    table = pa.table({"x": pa.array(column), "y": pa.array(column[::-1].copy())})
+    before = torchshm.stats()
+    workers = [child(mp.get_context("spawn"), hold_table, table) for _ in range(6)]
+    assert [w.receive() for w in workers] == [table.num_rows] * 6
+    copied = stats_delta(before)["bytes_copied"]
+    for w in workers:
+        w.send(None)
+        assert w.close() == 0
+    assert table.nbytes <= copied < 2 * table.nbytes
+
+
+def test_an_arrow_table_whose_bytes_changed_is_copied_again():
+    pa = pytest.importorskip("pyarrow")
+    column = np.arange(1 << 18, dtype=np.int64)  # 2 MiB, over the memory
+    table = pa.table({"x": pa.array(column)})  # of `column`: no copy
+    first = ForkingPickler.loads(ForkingPickler.dumps(table))
+    before = torchshm.stats()
+    again = ForkingPickler.loads(ForkingPickler.dumps(table))
+    assert stats_delta(before)["bytes_copied"] == 0
+    column[:3] = -1
+    before = torchshm.stats()
+    changed = ForkingPickler.loads(ForkingPickler.dumps(table))
+    assert stats_delta(before)["bytes_copied"] >= column.nbytes
+    assert changed.column("x")[:3].to_pylist() == [-1, -1, -1]
+    assert first.column("x")[:3].to_pylist() == again.column("x")[:3].to_pylist()
+    assert first.column("x")[:3].to_pylist() == [0, 1, 2]
+
+
 def make_cow_frame():
     return pd.DataFrame(
         {

@@ -252,9 +252,10 @@ Placement Plan::copy_view(PyArrayObject* array,
   }
   const int64_t n = hi - lo;
   const bool remembered = !sharing;
+  const py::handle known_as = snapshots().key_of(key);
   if (remembered) {
-    auto [owner, at] =
-        snapshots().reuse(key, start + lo, start + hi, policy.copy_threads);
+    auto [owner, at] = snapshots().reuse(known_as, start + lo, start + hi,
+                                         policy.copy_threads);
     if (!owner.is_none()) {
       const Target target = target_of(owner);
       count(kSnapshotsResent);
@@ -287,7 +288,7 @@ Placement Plan::copy_view(PyArrayObject* array,
   if (page_at >= 0)
     adopt_pages(nearest, target.owner, target.segment, at, start + lo, n);
   if (remembered)
-    snapshots().remember(key, start + lo, start + hi, target.segment, at);
+    snapshots().remember(known_as, start + lo, start + hi, target.segment, at);
   entry.copies.push_back(Copy{start + lo, start + hi, at, target});
   const int64_t offset = at + address_of(array) - (start + lo);
   return Placement{

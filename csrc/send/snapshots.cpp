@@ -82,6 +82,17 @@ void SnapshotCache::remember(py::handle key, int64_t lo, int64_t hi,
       Entry{std::move(weak), lo, hi, at, segment, segment->generation()};
 }
 
+void SnapshotCache::known_as(py::handle buffer, py::object key) {
+  py::object watch = forget_when_gone(
+      buffer, [](PyObject* dead) { snapshots().aliases_.erase(dead); });
+  aliases_[buffer.ptr()] = Alias{std::move(watch), std::move(key)};
+}
+
+py::handle SnapshotCache::key_of(py::handle buffer) const {
+  const auto found = aliases_.find(buffer.ptr());
+  return found == aliases_.end() ? buffer : py::handle(found->second.key);
+}
+
 SnapshotCache& snapshots() {
   // Never destroyed: entries hold Python objects, and interpreter exit
   // tears Python down before static destructors run.

@@ -53,8 +53,18 @@ class SnapshotCache {
   // `segment` (a snapshot of its current generation).
   void remember(py::handle key, int64_t lo, int64_t hi,
                 const std::shared_ptr<Segment>& segment, int64_t at);
+  // Knows the memory of buffer `buffer` (a base chain's root) as `key`
+  // while `buffer` lives: a buffer whose Python object is new at every
+  // pickle (a pyarrow Buffer, torchshm/_send/arrow.py) is resent as an
+  // unchanged ndarray is, its bytes compared.
+  void known_as(py::handle buffer, py::object key);
+  // The key `buffer`'s memory is known by: its known_as key, or itself.
+  py::handle key_of(py::handle buffer) const;
   // Forgets everything (a forked child: the snapshots are the parent's).
-  void clear() { entries_.clear(); }
+  void clear() {
+    entries_.clear();
+    aliases_.clear();
+  }
   size_t size() const { return entries_.size(); }
 
  private:
@@ -65,6 +75,11 @@ class SnapshotCache {
     uint64_t generation;
   };
   std::unordered_map<PyObject*, Entry> entries_;  // under the GIL
+  struct Alias {
+    py::object watch;  // keeps the buffer's watch, whose end erases this
+    py::object key;
+  };
+  std::unordered_map<PyObject*, Alias> aliases_;  // under the GIL
 };
 
 SnapshotCache& snapshots();

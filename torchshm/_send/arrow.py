@@ -13,6 +13,16 @@ rebuilt Buffer's address is remembered, weakly (_reduction.ARROW_BUFFERS),
 so that sending it again (a share()d frame, a frame a worker passes on)
 names the same memory instead of copying it.
 
+A sender's own Arrow memory (an in-memory table: a `datasets.Dataset` sent
+to each spawn worker) gets a new Buffer object at every pickle, which the
+snapshot cache, keyed by the buffer's Python object, never saw before: each
+send copied the whole table again. So the reducer tells the message which
+memory the Buffer is (_C.resend_as): a key per (address, size), of the
+last MEMORIES buffers sent. A resend of those bytes compares them with the
+snapshot and names it again if they are equal (Note [Resending an unchanged
+array] in csrc/send/snapshots.h); changed bytes, or memory freed and reused
+by other bytes, are copied. Keys evicted forget their snapshots.
+
 torchshm never imports pyarrow. watch() registers the reducer at once if
 pyarrow is imported, or else when it is: a finder at the head of
 sys.meta_path sees `import pyarrow` and calls back once the module has run
@@ -20,13 +30,42 @@ sys.meta_path sees `import pyarrow` and calls back once the module has run
 (a reducer that raises loses the message).
 """
 
+import collections
 import sys
+import threading
 
 import numpy as np
 
 from torchshm import _fallback, _reduction
+from torchshm._native import _C
 
 MODULE = "pyarrow"
+# How many Arrow buffers' memories a sender remembers (see the Note).
+MEMORIES = 4096
+
+
+class _Memory:
+    """The key of one (address, size) of Arrow memory: weakly referenced by
+    the snapshot cache, which forgets the entry when it is evicted."""
+
+    __slots__ = ("__weakref__",)
+
+
+_memories = collections.OrderedDict()
+_memories_lock = threading.Lock()
+
+
+def _memory(buffer):
+    where = (buffer.address, buffer.size)
+    with _memories_lock:
+        key = _memories.get(where)
+        if key is None:
+            key = _memories[where] = _Memory()
+            if len(_memories) > MEMORIES:
+                _memories.popitem(last=False)
+        else:
+            _memories.move_to_end(where)
+        return key
 
 
 def buffer_type():
@@ -42,6 +81,8 @@ def reduce_buffer(buffer):
             array = array[: buffer.size]  # already shared: sent by reference
         else:
             array = np.frombuffer(buffer, dtype=np.uint8)
+            if array.size:
+                _C.resend_as(array, _memory(buffer))
         return _reduction.rebuild_arrow_buffer, (array,)
     except Exception as exc:  # noqa: BLE001 - raising here loses the message
         _fallback.fall_back(exc, "sharing an Arrow buffer", "pickling it by value")
