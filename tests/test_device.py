@@ -480,3 +480,97 @@ def test_the_fake_sees_a_private_mapping_of_a_file_registered():
         fake.unregister(address)
     finally:
         os.close(fd)
+
+
+# --- the fake's other rules, each with what the library does under it
+
+
+def test_the_fake_refuses_a_read_only_range():
+    import mmap
+
+    fake = _fake.FakeRuntime()
+    fd = _shared_memfd(4 * _fake.PAGE)
+    try:
+        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED, mmap.PROT_READ)
+        address = np.frombuffer(m, np.uint8).ctypes.data
+        with pytest.raises(_runtime.CudaError) as refused:
+            fake.register(address, 4 * _fake.PAGE)
+        assert refused.value.code == _fake.INVALID_VALUE
+        assert fake.registered == {}
+    finally:
+        os.close(fd)
+
+
+def test_past_the_locked_memory_limit_batches_go_pageable_and_arrive_right():
+    fake = _fake.FakeRuntime(delay=LATE, seed=2, lockable=1 << 20)
+    with _runtime.use(fake):
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                held = list(torchshm.device_loader(_loader(torchshm.collate)))
+            assert _wrong_batches(fake, held) == []
+        finally:
+            _pins.release_all()
+    assert fake.pageable_bytes > 0
+    refused = [w for w in caught if "pinning shared memory" in str(w.message)]
+    assert len(refused) == 1
+    assert fake.check() == [] and fake.registered == {}
+
+
+def test_the_fake_sees_an_unregister_while_a_copy_from_the_range_is_pending():
+    import mmap
+
+    fake = _fake.FakeRuntime(delay=10.0)
+    fd = _shared_memfd(4 * _fake.PAGE)
+    try:
+        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED)
+        host = torch.from_numpy(np.frombuffer(m, np.uint8))
+        fake.register(host.data_ptr(), 4 * _fake.PAGE)
+        stream = fake.copy_stream(torch.device("cpu", 0))
+        fake.copy(
+            torch.empty(_fake.PAGE, dtype=torch.uint8), host[: _fake.PAGE], stream
+        )
+        fake.unregister(host.data_ptr())
+        assert [v for v in fake.violations if "pending" in v]
+        fake.synchronize()
+        del host
+    finally:
+        os.close(fd)
+
+
+def test_unpinning_waits_for_the_copies_that_read_the_segment(fake_cuda, monkeypatch):
+    # The bound unpins idle segments while their batches' copies may still
+    # be pending; the fake_cuda fixture fails on an unregister under one.
+    monkeypatch.setenv("TORCHSHM_PIN_BYTES", str(1 << 20))
+    fake_cuda.delay = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        held = list(torchshm.device_loader(_loader(torchshm.collate)))
+    assert fake_cuda.calls["unregister"] > 0
+    assert _wrong_batches(fake_cuda, held) == []
+
+
+@pytest.mark.parametrize("hand_over", ["done", "skipped"])
+def test_a_batch_is_read_on_the_callers_stream_after_its_copy(
+    fake_cuda, child, monkeypatch, hand_over
+):
+    # to_device makes the caller's stream wait for torchshm's copies; a
+    # library that skipped that would let a kernel read uncopied bytes.
+    import multiprocessing as mp
+
+    if hand_over == "skipped":
+        monkeypatch.setattr(fake_cuda, "hand_over", lambda event, buffer: None)
+    fake_cuda.delay = 10.0  # no copy completes by itself
+    c = child(mp.get_context("fork"), dc.send_batches, 1)
+    batch = c.receive()
+    want = torch.from_numpy(batch["x"].copy())
+    on_device = torchshm.to_device(batch)
+    fake_cuda.consume(on_device["x"])
+    late = [v for v in fake_cuda.violations if "never waited" in v]
+    fake_cuda.violations.clear()
+    fake_cuda.synchronize()
+    del batch
+    c.send("next")
+    assert c.close() == 0
+    assert bool(late) == (hand_over == "skipped")
+    assert torch.equal(on_device["x"], want)

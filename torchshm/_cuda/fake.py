@@ -12,6 +12,13 @@ script's CPU half, never for users.
   of a file, which CUDA accepts but which breaks its copy-on-write on every
   page (Note [A registered mapping stays as it is] in
   csrc/lifetime/segment.h).
+- A read-only range (PROT_READ) is refused, as CUDA refuses one without
+  cudaHostRegisterReadOnly on a device that does not use the host's page
+  tables; past `lockable` bytes registered, a registration fails with
+  cudaErrorMemoryAllocation (a machine's limit on locked memory).
+- Unregistering a range that a pending copy still reads is a violation:
+  the caller waits for its copies first, whether or not the driver's
+  unregister would (torchshm/_lifetime/pins.py).
 - A copy is asynchronous, as CUDA's from pinned memory is: it reads its
   source only when it completes, a random time (up to twice `delay`) after
   it was issued, in any order, and only when the runtime is asked about it
@@ -21,6 +28,10 @@ script's CPU half, never for users.
   finds it.
 - Any call from a forked child of the process that made it is a violation
   (CUDA forbids it).
+- hand_over(event, buffer) makes the current stream wait for `event`;
+  consume(tensor), a kernel on the current stream reading a device tensor,
+  is a violation if a copy into it is not done and that stream never
+  waited for it (the consumer would read bytes not yet copied).
 """
 
 import collections
@@ -38,6 +49,7 @@ from torchshm._cuda.runtime import CudaError
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # CUDA's error numbers for what the fake refuses.
 INVALID_VALUE = 1
+MEMORY_ALLOCATION = 2
 ALREADY_REGISTERED = 712
 NOT_REGISTERED = 713
 
@@ -61,10 +73,12 @@ class _Copy:
     caching allocator keeps device memory for a stream's pending work); its
     source is only an address: nothing of the fake keeps it alive."""
 
-    __slots__ = ("dst", "src", "nbytes", "due", "done")
+    __slots__ = ("dst", "src", "nbytes", "due", "done", "to", "stream")
 
-    def __init__(self, dst, src, nbytes, due):
+    def __init__(self, dst, src, nbytes, due, stream):
         self.dst, self.src, self.nbytes, self.due = dst, src, nbytes, due
+        self.to = dst.data_ptr()  # where on the device, once dst is let go
+        self.stream = stream
         self.done = False
 
     def run(self):
@@ -79,8 +93,9 @@ class FakeRuntime:
 
     name = "fake"
 
-    def __init__(self, delay=0.02, seed=0):
+    def __init__(self, delay=0.02, seed=0, lockable=None):
         self.delay = delay
+        self.lockable = lockable  # bytes that may be registered; None: any
         self.registered = {}  # address -> (nbytes, what maps it then)
         self.violations = []
         self.calls = collections.Counter()
@@ -93,6 +108,7 @@ class FakeRuntime:
         self._default = FakeStream("default")
         self._current = threading.local()
         self._seen = []
+        self._waited = {}  # stream -> the pending copies it waits for
 
     def _call(self, name):
         self.calls[name] += 1
@@ -121,7 +137,18 @@ class FakeRuntime:
             what = _mapped(address, nbytes)
             if what is None:
                 raise CudaError("cudaHostRegister", INVALID_VALUE, "invalid argument")
-            if what[0] == "private" and what[2] != "0":  # inode 0: anonymous
+            if not what[1].startswith("rw"):
+                raise CudaError(
+                    "cudaHostRegister",
+                    INVALID_VALUE,
+                    "invalid argument (read-only memory without"
+                    " cudaHostRegisterReadOnly)",
+                )
+            if self.lockable is not None and (
+                sum(n for n, _ in self.registered.values()) + nbytes > self.lockable
+            ):
+                raise CudaError("cudaHostRegister", MEMORY_ALLOCATION, "out of memory")
+            if what[0] == "private" and what[3] != "0":  # inode 0: anonymous
                 self.violations.append(
                     f"a private mapping of a file ({address:#x}, {nbytes} bytes)"
                     " was registered"
@@ -137,7 +164,15 @@ class FakeRuntime:
                     NOT_REGISTERED,
                     "pointer does not correspond to a registered memory region",
                 )
-            self._synchronize()  # as CUDA's does
+            nbytes = self.registered[address][0]
+            if any(
+                address <= op.src < address + nbytes and not op.done
+                for op in self._pending
+            ):
+                self.violations.append(
+                    f"a registered range ({address:#x}, {nbytes} bytes) was"
+                    " unregistered while a copy from it was pending"
+                )
             del self.registered[address]
 
     def check(self):
@@ -185,7 +220,7 @@ class FakeRuntime:
             self._call("copy")
             nbytes = src.numel() * src.element_size()
             assert dst.numel() * dst.element_size() == nbytes, (dst.shape, src.shape)
-            op = _Copy(dst, src.data_ptr(), nbytes, 0.0)
+            op = _Copy(dst, src.data_ptr(), nbytes, 0.0, stream)
             if self._pinned(src.data_ptr(), nbytes):
                 op.due = time.monotonic() + self._rng.uniform(0, 2 * self.delay)
                 self._pending.append(op)
@@ -206,8 +241,33 @@ class FakeRuntime:
             return FakeEvent(list(stream.ops))
 
     def hand_over(self, event, buffer):
-        """The consumer's stream waits for `event`: nothing to do on a CPU,
-        where the test waits (synchronize) before it reads `buffer`."""
+        """The consumer's (current) stream waits for `event` before it uses
+        `buffer` (see consume)."""
+        with self._lock:
+            self._call("hand_over")
+            waited = self._waited.setdefault(self.current_stream(), set())
+            waited.difference_update([op for op in waited if op.done])
+            waited.update(op for op in event.ops if not op.done)
+
+    def consume(self, tensor):
+        """A kernel on the current stream reads device tensor `tensor`: the
+        copies into it on that stream, or that it waited for, are done
+        first; one it is not ordered after, not done, is a violation."""
+        with self._lock:
+            stream = self.current_stream()
+            lo = tensor.data_ptr()
+            hi = lo + tensor.numel() * tensor.element_size()
+            waited = self._waited.get(stream, ())
+            for op in sorted(self._pending, key=_due):
+                if not (op.to < hi and lo < op.to + op.nbytes):
+                    continue
+                if op.stream is stream or op in waited:
+                    self._run(op)  # ordered before the kernel
+                else:
+                    self.violations.append(
+                        f"a device tensor ({lo:#x}) was read on {stream} before"
+                        " its copy was done, and that stream never waited for it"
+                    )
 
     def record_in_use(self):
         with self._lock:
@@ -219,7 +279,7 @@ class FakeRuntime:
         with self._lock:
             self._call("done")
             self._progress(time.monotonic())
-            return all(op.done for op in event.ops)
+            return _all_done(event)
 
     def wait(self, event):
         with self._lock:
@@ -284,15 +344,20 @@ def _due(op):
     return op.due
 
 
+def _all_done(event):
+    return all(op.done for op in event.ops)
+
+
 def _maps():
-    """[(start, end, shared or private, device, inode, file offset)] of
-    /proc/self/maps, sorted."""
+    """[(start, end, shared or private, permissions, device, inode, file
+    offset)] of /proc/self/maps, sorted."""
     with open("/proc/self/maps") as f:
         lines = [line.split() for line in f]
     return [
         (
             *(int(x, 16) for x in fields[0].split("-")),
             "shared" if fields[1][3] == "s" else "private",
+            fields[1][:3],
             fields[3],
             fields[4],
             int(fields[2], 16),
@@ -302,16 +367,18 @@ def _maps():
 
 
 def _mapped(address, nbytes, maps=None):
-    """(shared or private, device, inode, file offset at `address`) of the
-    one mapping kind of one file over all of [address, address + nbytes), or
-    None."""
+    """(shared or private, permissions, device, inode, file offset at
+    `address`) of the one mapping of one file over all of [address, address
+    + nbytes), or None."""
     end, at, found = address + nbytes, address, None
-    for lo, hi, kind, dev, inode, offset in maps if maps is not None else _maps():
+    for lo, hi, kind, perms, dev, inode, offset in (
+        maps if maps is not None else _maps()
+    ):
         if hi <= at:
             continue
         if lo > at:
             return None  # a hole
-        here = (kind, dev, inode, offset + (at - lo) - (at - address))
+        here = (kind, perms, dev, inode, offset + (at - lo) - (at - address))
         if found is None:
             found = here
         elif here != found:

@@ -115,12 +115,20 @@ def _make_room(nbytes, limit):
 
 
 def _unpin(name):
-    """Unregisters, then lets go of the segment (its unmap comes after). A
-    failed unregister leaves it registered, and held."""
+    """Waits for the copies that may read the segment, unregisters, then
+    lets go of it (its unmap comes after). A failed unregister leaves it
+    registered, and held."""
     global _pinned_bytes
     segment = _pinned[name]
+    runtime = _runtime.active()
+    # CUDA's unregister synchronizes the device, but a copy issued on a
+    # stream torchshm saw is waited for here whatever the driver does: its
+    # source must stay registered until it is read. Unpinning is rare (the
+    # bound, a dead segment, exit), never per batch.
+    for event in runtime.record_in_use():
+        runtime.wait(event)
     try:
-        _runtime.active().unregister(segment.address)
+        runtime.unregister(segment.address)
     except _runtime.CudaError:
         return
     del _pinned[name]
