@@ -10,8 +10,14 @@ how many fall back, and the memory they add beside NumPy's own (private RSS
 plus the machine's Shmem growth); what an allocation costs once that cap is
 reached (it falls back to NumPy); and the memory that slabs kept by a few
 live blocks hold (one 1 KiB array in 64 kept: bounded, Note [Small blocks]
-in csrc/lifetime/slabs.h). Every (mode, case) runs in a fresh interpreter
-(this file), so no pool carries over; medians of 3.
+in csrc/lifetime/slabs.h). Last, a DataLoader worker's Dataset that caches
+1 GiB of decoded 300 KiB samples, with the allocator on as the DataLoader
+hook turns it on (arrays from the threshold up born shared): the memory it
+adds (PSS), and, under the usual soft fd limit of 1024 (hard 20,000), the
+highest fd a pipe it opens then gets and whether select() takes it (Note
+[Kept fds above select's range] in csrc/lifetime/segment.h). Every (mode,
+case) runs in a fresh interpreter (this file), so no pool carries over;
+medians of 3.
 """
 
 import json
@@ -32,6 +38,8 @@ MANY, MANY_BYTES, MANY_NOFILE = 100_000, KIB, 20_000
 # Half-freed slabs: SPARSE arrays of MANY_BYTES, one in SPARSE_KEPT kept.
 SPARSE, SPARSE_KEPT = 200_000, 64
 DRIVER_TIMEOUT = 600
+# A worker's cache: CACHE_BYTES of CACHE_ITEM samples, the usual fd limits.
+CACHE_BYTES, CACHE_ITEM, CACHE_NOFILE = 1 << 30, 300 * KIB, (1024, 20_000)
 
 
 def count_for(nbytes):
@@ -56,11 +64,39 @@ def _anon():
     return 0
 
 
+def _pss():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _select_a_new_pipe():
+    """(the fd a new pipe's read end gets, whether select() takes it)."""
+    import select
+
+    r, w = os.pipe()
+    try:
+        select.select([r], [], [], 0)
+        return r, True
+    except ValueError:
+        return r, False
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def drive(mode, nbytes, count, kind):
     """Seconds per allocation (kind "kept" or "churned"), in this process;
-    "many": the live-array figures."""
+    "many": the live-array figures; "cache": a worker's cache."""
     if kind in ("many", "at_cap"):
         resource.setrlimit(resource.RLIMIT_NOFILE, (MANY_NOFILE, MANY_NOFILE))
+    if kind == "cache":
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        soft, cap = CACHE_NOFILE
+        cap = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, cap))
     held = []
     if mode == "torchshm":
         import warnings
@@ -68,12 +104,13 @@ def drive(mode, nbytes, count, kind):
         import torchshm
 
         warnings.simplefilter("ignore")  # the fallback's one warning
-        torchshm.set_allocator(True, min_bytes=1)
+        # A worker's hook turns it on at the threshold (the DataLoader's).
+        torchshm.set_allocator(True, **({} if kind == "cache" else {"min_bytes": 1}))
         np.full(1, 1, np.uint8)  # the session and keeper start here, untimed
         if kind == "at_cap":  # born arrays until one falls back, untimed
             while torchshm.stats()["allocations_fallback"] == 0:
                 held.append(np.full(nbytes, 1, np.uint8))
-    anon, shmem = _anon(), _shmem()
+    anon, shmem, pss = _anon(), _shmem(), _pss()
     t0 = time.perf_counter()
     if kind == "churned":
         for _ in range(count):
@@ -88,6 +125,11 @@ def drive(mode, nbytes, count, kind):
             held.append(np.full(nbytes, 1, np.uint8))
     seconds = (time.perf_counter() - t0) / count
     out = {"seconds": seconds}
+    if kind == "cache":
+        out["pss"] = _pss() - pss
+        out["pipe fd"], out["select ok"] = _select_a_new_pipe()
+        if mode == "torchshm":
+            out["shared"] = sum(torchshm.is_shared(a) for a in held)
     if kind in ("many", "sparse"):
         out["memory"] = (_anon() - anon) + (_shmem() - shmem)
         if mode == "torchshm":
@@ -127,7 +169,7 @@ def run(quick, bar):
         notes=[" ".join(__doc__.split("\n\n")[1].split())],
     )
     label = {"numpy": "NumPy's allocator", "torchshm": "torchshm, allocator on"}
-    bar.reset(total=len(sizes) * 2 * len(MODES) * rounds + 4 + 2 * rounds)
+    bar.reset(total=len(sizes) * 2 * len(MODES) * rounds + 6 + 2 * rounds)
     for nbytes in sizes:
         for kind in ("kept", "churned"):
             case = f"{fmt(nbytes, 'B').replace('.00', '')} {kind}"
@@ -162,6 +204,7 @@ def run(quick, bar):
             "fell back": many - run_["shared"],
         },
     )
+    _cache_case(result, bar, label, CACHE_BYTES // (8 if quick else 1), rounds)
     sparse = SPARSE // 10 if quick else SPARSE
     _memory_case(
         result,
@@ -173,6 +216,29 @@ def run(quick, bar):
         lambda run_: {"allocations fell back": run_["fell_back"]},
     )
     return result
+
+
+def _cache_case(result, bar, label, nbytes, rounds):
+    """A worker's cache of `nbytes` in CACHE_ITEM samples: seconds per
+    sample, the PSS it adds, and what a pipe opened after it gets."""
+    from benchmarks.report import fmt
+
+    count = nbytes // CACHE_ITEM
+    case = f"a worker caching {fmt(nbytes, 'B')} of {fmt(CACHE_ITEM, 'B')}"
+    pss = {}
+    for mode in MODES:
+        samples = [measure(mode, CACHE_ITEM, count, "cache") for _ in range(rounds)]
+        bar.update()
+        result.add(case, label[mode], [s["seconds"] for s in samples], 0)
+        pss[mode] = sorted(s["pss"] for s in samples)[len(samples) // 2]
+        result.extra(case, f"PSS added ({mode})", fmt(pss[mode], "B"))
+        result.extra(case, f"a new pipe's fd ({mode})", samples[-1]["pipe fd"])
+        result.extra(
+            case, f"select() takes it ({mode})", all(s["select ok"] for s in samples)
+        )
+        if mode == "torchshm":
+            result.extra(case, "born shared", samples[-1]["shared"])
+    result.extra(case, "PSS torchshm / NumPy", pss["torchshm"] / pss["numpy"])
 
 
 def _memory_case(result, bar, label, case, count, kind, extras):
