@@ -362,18 +362,7 @@ PYBIND11_MODULE(_C, m) {
        {"rebuild_ndarray", "rebuild_inline", "message_token"})
     m.attr(name) = torchshm::wire_function(name);
   m.def("memory_owner", &torchshm::memory_owner, py::arg("array"));
-  m.def(
-      "resend_as",
-      [](py::handle array, py::object key) {
-        auto [root, nearest] =
-            torchshm::base_chain(torchshm::as_ndarray(array));
-        const py::handle buffer =
-            root && root.ptr() != Py_None
-                ? root
-                : py::handle(reinterpret_cast<PyObject*>(nearest));
-        torchshm::snapshots().known_as(buffer, std::move(key));
-      },
-      py::arg("array"), py::arg("key"));
+  m.def("resend_as", &torchshm::resend_as, py::arg("array"), py::arg("key"));
   m.def("shared_address", &torchshm::shared_address, py::arg("owner"),
         py::arg("address"), py::arg("nbytes"),
         py::call_guard<py::gil_scoped_release>());

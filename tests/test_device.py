@@ -6,6 +6,7 @@ memory reused before its copy completed shows as a wrong checksum (Note
 in csrc/lifetime/views.h, Note [Which copies are safe] in
 torchshm/_device.py)."""
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -20,6 +21,7 @@ import torch.utils.data as tud
 import torchshm
 from tests import device_children as dc
 from tests.conftest import run_python
+from torchshm import _device
 from torchshm._cuda import fake as _fake
 from torchshm._cuda import runtime as _runtime
 from torchshm._lifetime import pins as _pins
@@ -440,20 +442,28 @@ def test_a_fork_child_does_not_register_its_inherited_born_array(tmp_path):
     assert run.stdout == "True 0 []\n", run.stderr[-2000:]
 
 
-def _shared_memfd(nbytes):
+@contextlib.contextmanager
+def _memfd_mapping(flags, prot=None):
+    """The address of 4 pages of a new memfd mapped with `flags` (mmap's),
+    and the fd."""
+    import mmap
+
+    nbytes = 4 * _fake.PAGE
     fd = os.memfd_create("fake-rule")
-    os.ftruncate(fd, nbytes)
-    return fd
+    try:
+        os.ftruncate(fd, nbytes)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if prot is None else prot
+        m = mmap.mmap(fd, nbytes, flags, prot)
+        yield np.frombuffer(m, np.uint8).ctypes.data, fd
+    finally:
+        os.close(fd)
 
 
 def test_the_fake_sees_a_registered_range_remapped_shared_to_private():
     import mmap
 
     fake = _fake.FakeRuntime()
-    fd = _shared_memfd(4 * _fake.PAGE)
-    try:
-        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED)
-        address = np.frombuffer(m, np.uint8).ctypes.data
+    with _memfd_mapping(mmap.MAP_SHARED) as (address, fd):
         fake.register(address, 4 * _fake.PAGE)
         assert fake.check() == []
         libc = ctypes.CDLL(None, use_errno=True)
@@ -463,23 +473,16 @@ def test_the_fake_sees_a_registered_range_remapped_shared_to_private():
         prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | 0x10
         assert libc.mmap(address, 4 * _fake.PAGE, prot, flags, fd, 0) == address
         assert [v for v in fake.check() if "remapped" in v]
-    finally:
-        os.close(fd)
 
 
 def test_the_fake_sees_a_private_mapping_of_a_file_registered():
     import mmap
 
     fake = _fake.FakeRuntime()
-    fd = _shared_memfd(4 * _fake.PAGE)
-    try:
-        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_PRIVATE)
-        address = np.frombuffer(m, np.uint8).ctypes.data
+    with _memfd_mapping(mmap.MAP_PRIVATE) as (address, _):
         fake.register(address, 4 * _fake.PAGE)
         assert [v for v in fake.violations if "private mapping" in v]
         fake.unregister(address)
-    finally:
-        os.close(fd)
 
 
 # --- the fake's other rules, each with what the library does under it
@@ -489,16 +492,11 @@ def test_the_fake_refuses_a_read_only_range():
     import mmap
 
     fake = _fake.FakeRuntime()
-    fd = _shared_memfd(4 * _fake.PAGE)
-    try:
-        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED, mmap.PROT_READ)
-        address = np.frombuffer(m, np.uint8).ctypes.data
+    with _memfd_mapping(mmap.MAP_SHARED, mmap.PROT_READ) as (address, _):
         with pytest.raises(_runtime.CudaError) as refused:
             fake.register(address, 4 * _fake.PAGE)
-        assert refused.value.code == _fake.INVALID_VALUE
-        assert fake.registered == {}
-    finally:
-        os.close(fd)
+    assert refused.value.code == _fake.INVALID_VALUE
+    assert fake.registered == {}
 
 
 def test_past_the_locked_memory_limit_batches_go_pageable_and_arrive_right():
@@ -521,21 +519,14 @@ def test_the_fake_sees_an_unregister_while_a_copy_from_the_range_is_pending():
     import mmap
 
     fake = _fake.FakeRuntime(delay=10.0)
-    fd = _shared_memfd(4 * _fake.PAGE)
-    try:
-        m = mmap.mmap(fd, 4 * _fake.PAGE, mmap.MAP_SHARED)
-        host = torch.from_numpy(np.frombuffer(m, np.uint8))
-        fake.register(host.data_ptr(), 4 * _fake.PAGE)
+    with _memfd_mapping(mmap.MAP_SHARED) as (address, _):
+        fake.register(address, 4 * _fake.PAGE)
         stream = fake.copy_stream(torch.device("cpu", 0))
-        fake.copy(
-            torch.empty(_fake.PAGE, dtype=torch.uint8), host[: _fake.PAGE], stream
-        )
-        fake.unregister(host.data_ptr())
+        page = _device._bytes_at(address, _fake.PAGE)
+        fake.copy(torch.empty(_fake.PAGE, dtype=torch.uint8), page, stream)
+        fake.unregister(address)
         assert [v for v in fake.violations if "pending" in v]
         fake.synchronize()
-        del host
-    finally:
-        os.close(fd)
 
 
 def test_unpinning_waits_for_the_copies_that_read_the_segment(fake_cuda, monkeypatch):

@@ -46,30 +46,27 @@ def count_for(nbytes):
     return 2000 if nbytes <= 64 * KIB else (200 if nbytes <= MIB else 20)
 
 
-def _shmem():
-    with open("/proc/meminfo") as f:
+def _kib_field(path, field):
+    """A `field: N kB` line of a /proc file, in bytes (0 if absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("Shmem:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _shmem():
+    return _kib_field("/proc/meminfo", "Shmem")
 
 
 def _anon():
     """This process's private memory: its RSS counts the shared pages it maps
     too, which Shmem counts already."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _kib_field("/proc/self/status", "RssAnon")
 
 
 def _pss():
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _kib_field("/proc/self/smaps_rollup", "Pss")
 
 
 def _select_a_new_pipe():

@@ -99,6 +99,17 @@ std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array) {
   return {root, nearest};
 }
 
+py::handle buffer_key(py::handle root, PyArrayObject* nearest) {
+  return root && root.ptr() != Py_None
+             ? root
+             : py::handle(reinterpret_cast<PyObject*>(nearest));
+}
+
+void resend_as(py::handle array, py::object key) {
+  auto [root, nearest] = base_chain(as_ndarray(array));
+  snapshots().known_as(buffer_key(root, nearest), std::move(key));
+}
+
 py::object memory_owner(py::handle array) {
   auto [root, nearest] = base_chain(as_ndarray(array));
   const at::Tensor root_tensor = tensor_or_undefined(root);
@@ -214,9 +225,7 @@ Placement Plan::copy_view(PyArrayObject* array,
   const int64_t nbytes = PyArray_NBYTES(array);
   const SenderPolicy& policy = config().policy;
   if (hi - lo > policy.sparse_ratio * nbytes) return copy_compacted(array);
-  py::handle key = root && root.ptr() != Py_None
-                       ? root
-                       : py::handle(reinterpret_cast<PyObject*>(nearest));
+  const py::handle key = buffer_key(root, nearest);
   auto found = roots_.find(key.ptr());
   if (found == roots_.end()) {
     found = roots_

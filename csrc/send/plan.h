@@ -179,6 +179,13 @@ std::pair<py::handle, PyArrayObject*> base_chain(PyArrayObject* array);
 // (received, shared or born there) or the root torch tensor of memory
 // torchshm did not make (torchshm.is_shared asks).
 py::object memory_owner(py::handle array);
+// What a buffer is known by, in a message's copies and the snapshot cache:
+// its base chain's root object, or the nearest ndarray if the chain ends in
+// none.
+py::handle buffer_key(py::handle root, PyArrayObject* nearest);
+// The snapshot cache knows `array`'s buffer as `key` while it lives
+// (SnapshotCache::known_as: torchshm/_send/arrow.py).
+void resend_as(py::handle array, py::object key);
 
 // The tensor over the torchshm segment that holds an array's memory, or an
 // undefined tensor (see the definition: the one place a second source of
