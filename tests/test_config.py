@@ -243,7 +243,12 @@ BAD_VALUES = [
     ("TORCHSHM_SESSION", "../etc", "1 to 64 letters, digits, _ or -"),
     ("TORCHSHM_SESSION", "a.b", "1 to 64 letters, digits, _ or -"),
     ("TORCHSHM_SESSION", "x" * 65, "1 to 64 letters, digits, _ or -"),
-    ("TORCHSHM_KEEPER_TIMEOUT", "soon", "a non-negative number of seconds"),
+    ("TORCHSHM_THRESHOLD", str(1 << 63), "a size in bytes"),
+    ("TORCHSHM_POOL_BYTES", "9999999999999G", "a size in bytes"),
+    ("TORCHSHM_POOL_IDLE_SECONDS", "1e300", "a non-negative number of seconds"),
+    ("TORCHSHM_KEEPER_TIMEOUT", "soon", "a positive number of seconds"),
+    ("TORCHSHM_KEEPER_TIMEOUT", "0", "a positive number of seconds"),
+    ("TORCHSHM_KEEPER_TIMEOUT", "1e300", "a positive number of seconds"),
     ("TORCHSHM_SESSION_LINGER", "-5", "a non-negative number of seconds"),
     ("TORCHSHM_PIN_BYTES", "all", "a size in bytes"),
 ]
@@ -422,3 +427,11 @@ def test_a_module_with_a_cxx_runtime_of_its_own_is_refused(monkeypatch):
     with pytest.raises(ImportError, match="C\\+\\+ runtime of its own") as info:
         _compat.check_native(torchshm._C)
     assert "CXX=" in str(info.value)  # how to rebuild
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 63, True, "8E"])
+def test_set_threshold_refuses_what_no_size_is_with_what_it_accepts(value):
+    before = torchshm.get_threshold()
+    with pytest.raises(ValueError, match="a size in bytes"):
+        torchshm.set_threshold(value)
+    assert torchshm.get_threshold() == before

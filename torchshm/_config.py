@@ -13,7 +13,6 @@ many arrays are still packed (see PACK_MIN in _send/sender.py).
 
 import difflib
 import functools
-import math
 import os
 import re
 import threading
@@ -41,11 +40,17 @@ _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 # RuntimeWarning and the last good value (or the default) stays in force.
 # An empty value counts as unset, as with Python's own PYTHON* variables.
 
+# The largest size and number of seconds a setting takes: a size reaches C++
+# as an int64, and seconds become deadlines that time and socket calls can
+# hold (10**7 s is about four months).
+MAX_SIZE = (1 << 63) - 1
+MAX_SECONDS = 10**7
 SIZE = (
-    "a size in bytes: a non-negative integer, optionally with K, M or G"
-    " (binary units), e.g. 131072, 128K or 1M"
+    "a size in bytes: a non-negative integer below 2**63, optionally with K,"
+    " M or G (binary units), e.g. 131072, 128K or 1M"
 )
-SECONDS = "a non-negative number of seconds, e.g. 30 or 0.5"
+SECONDS = "a non-negative number of seconds, at most 1e7, e.g. 30 or 0.5"
+TIMEOUT = "a positive number of seconds, at most 1e7, e.g. 5 or 0.5"
 BOOLEAN = "one of 1, 0, true, false, yes, no (any case)"
 SESSION = (
     f"{_paths.SESSION_RULE} (torchshm sets it for the processes of a session;"
@@ -56,15 +61,24 @@ SESSION = (
 def parse_size(text):
     """Bytes from '131072', '128K', '1M' or '2G' (binary units)."""
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not match:
+    size = match and int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if not match or size > MAX_SIZE:
         raise ValueError(f"expected {SIZE}; got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+    return size
 
 
 def parse_seconds(text):
     value = float(text)
-    if not math.isfinite(value) or value < 0:
+    if not 0 <= value <= MAX_SECONDS:  # nan fails too
         raise ValueError(f"expected {SECONDS}; got {text!r}")
+    return value
+
+
+def parse_timeout(text):
+    """Seconds a request may wait: 0 would fail every one of them."""
+    value = float(text)
+    if not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"expected {TIMEOUT}; got {text!r}")
     return value
 
 
@@ -91,7 +105,7 @@ SETTINGS = {
     "TORCHSHM_DISABLE": (parse_boolean, BOOLEAN),
     "TORCHSHM_TENSORS": (parse_boolean, BOOLEAN),
     "TORCHSHM_SESSION": (parse_session, SESSION),
-    "TORCHSHM_KEEPER_TIMEOUT": (parse_seconds, SECONDS),
+    "TORCHSHM_KEEPER_TIMEOUT": (parse_timeout, TIMEOUT),
     "TORCHSHM_SESSION_LINGER": (parse_seconds, SECONDS),
     "TORCHSHM_PIN_BYTES": (parse_size, SIZE),
 }
@@ -296,7 +310,8 @@ def set_threshold(nbytes: Union[int, str]) -> None:
     Raises
     ------
     ValueError
-        A negative number, a bool, or text that is not a size.
+        A negative number, one of 2**63 or more, a bool, or text that is not
+        a size.
 
     See Also
     --------
@@ -312,8 +327,8 @@ def set_threshold(nbytes: Union[int, str]) -> None:
     """
     global _threshold
     value = nbytes if isinstance(nbytes, int) else parse_size(nbytes)
-    if isinstance(value, bool) or value < 0:
-        raise ValueError(f"expected a non-negative number of bytes, got {nbytes!r}")
+    if isinstance(value, bool) or not 0 <= value <= MAX_SIZE:
+        raise ValueError(f"expected {SIZE}; got {nbytes!r}")
     _threshold = value
     for fn in _threshold_watchers:
         fn(value)
