@@ -202,9 +202,10 @@ def test_a_numpy_2_build_runs_on_numpy_1(monkeypatch):
     _compat.check_native(torchshm._C)  # no error
 
 
-def test_an_extension_that_does_not_load_names_both_versions():
-    # A fresh interpreter whose torchshm._C cannot be imported: the seam
-    # names the versions it was built for (its build record) and this one.
+def test_an_extension_that_does_not_load_says_it_is_damaged_not_mismatched():
+    # A fresh interpreter whose torchshm._C cannot be imported, built for
+    # this very torch and numpy (its build record): the file is the cause,
+    # not a version mismatch between identical versions.
     script = (
         "import sys\n"
         "sys.modules['torchshm._C'] = None\n"
@@ -217,10 +218,31 @@ def test_an_extension_that_does_not_load_names_both_versions():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT
     )
     built = _compat._build_info()
-    message = out.stdout
+    message = " ".join(out.stdout.split())
     assert f"built for torch {built['torch']}" in message, out
-    assert f"this process has torch {torch.__version__}" in message
-    assert " ".join(_compat.REBUILD.split()) in " ".join(message.split())
+    assert "which fit this process's torch" in message, out
+    assert "missing, truncated or damaged" in message, out
+    assert "but this process has" not in message, out
+    assert " ".join(_compat.REBUILD.split()) in message
+
+
+def test_an_extension_built_for_another_torch_that_does_not_load_names_both():
+    built = {"torch": "1.0.0", "numpy": np.__version__}
+    message = str(_compat.native_import_error(OSError("undefined symbol"), built))
+    assert "built for torch 1.0.0" in message
+    assert f"but this process has torch {torch.__version__}" in message
+    assert "undefined symbol" in message
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"2.15"', "null", '{"torch": 2}', "{"])
+def test_a_build_record_that_is_not_an_object_of_versions_counts_as_none(
+    tmp_path, text
+):
+    path = tmp_path / "_build_info.json"
+    path.write_text(text)
+    assert _compat._build_info(str(path)) == {}
+    message = str(_compat.native_import_error(OSError("gone"), {}))
+    assert "without a build record" in message and "gone" in message
 
 
 # ------------------------------------------------------- environment variables

@@ -28,13 +28,20 @@ TORCH_VERSION = _major_minor(torch.__version__)
 NUMPY_VERSION = _major_minor(np.__version__)
 
 
-def _build_info():
-    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
+BUILD_INFO = os.path.join(os.path.dirname(__file__), "_build_info.json")
+
+
+def _build_info(path=BUILD_INFO):
+    """setup.py's record of the versions built for: {} if it is missing, or
+    anything but a JSON object of strings."""
     try:
         with open(path) as f:
-            return json.load(f)
+            info = json.load(f)
     except (OSError, ValueError):
         return {}
+    if not isinstance(info, dict):
+        return {}
+    return {k: v for k, v in info.items() if isinstance(v, str)}
 
 
 # How to rebuild, wherever the extension does not fit this process: from the
@@ -62,6 +69,15 @@ def launched_as_report():
     the interpreter was started with)."""
     argv = list(getattr(sys, "orig_argv", ()))
     return any(a == "-m" and b == "torchshm" for a, b in zip(argv, argv[1:]))
+
+
+def _fits(built):
+    """Whether an extension built for `built` (torch and numpy versions)
+    runs with this process's."""
+    # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
+    return _major_minor(built["torch"]) == TORCH_VERSION and not (
+        _major_minor(built["numpy"])[0] < 2 <= NUMPY_VERSION[0]
+    )
 
 
 def _mismatch_message(built, cause=""):
@@ -94,18 +110,30 @@ def check_native(native):
             f" dynamically, as torch does, e.g. CXX=/usr/bin/g++ {REBUILD}"
         )
     built = {"torch": native.built_with_torch, "numpy": native.built_with_numpy}
-    if _major_minor(built["torch"]) != TORCH_VERSION or (
-        # The numpy 2 ABI runs on numpy 1.x too; a 1.x build does not run on 2.
-        _major_minor(built["numpy"])[0]
-        < 2
-        <= NUMPY_VERSION[0]
-    ):
+    if not _fits(built):
         raise ImportError(_mismatch_message(built))
 
 
-def native_import_error(exc):
-    """The ImportError for a native module that failed to import at all."""
-    return ImportError(_mismatch_message(_build_info(), f" ({exc})"))
+def native_import_error(exc, built=None):
+    """The ImportError for a native module that failed to import at all: a
+    version mismatch only where the build record says so; else the file
+    itself is missing or damaged."""
+    built = _build_info() if built is None else built
+    if "torch" in built and "numpy" in built and not _fits(built):
+        return ImportError(_mismatch_message(built, f" ({exc})"))
+    record = (
+        f"built for torch {built['torch']} and numpy {built['numpy']}, which"
+        f" fit this process's torch {torch.__version__} and numpy"
+        f" {np.__version__}"
+        if "torch" in built and "numpy" in built
+        else "without a build record (_build_info.json)"
+    )
+    return ImportError(
+        f"torchshm's native extension cannot be loaded ({exc}): it was"
+        f" {record}, so the file is missing, truncated or damaged. Rebuild it"
+        f" in this environment: {REBUILD}; or {wheel_remedy()}. `python -m"
+        " torchshm` says what it finds"
+    )
 
 
 def untyped_storage(tensor):
