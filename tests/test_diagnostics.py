@@ -130,3 +130,11 @@ def test_ls_names_each_holder_by_its_pid_and_command():
         inbox.put("done")
         child.join(TIMEOUT)
     assert child.exitcode == 0
+
+
+def test_ls_writes_a_holders_control_characters_as_escapes():
+    from torchshm._tools import doctor
+
+    line = doctor._process({"holder": "h", "pid": 7, "command": "x \x1b[2J\x07y"})
+    assert line == "pid 7 (x \\x1b[2J\\x07y)"
+    assert not any(not c.isprintable() for c in line)

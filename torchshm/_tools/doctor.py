@@ -203,8 +203,18 @@ def holder_process(holder):
 def _process(p):
     if p["pid"] is None:
         return f"{p['holder']} (gone)"
-    command = (p["command"] or "?")[:48]
+    command = _printable(p["command"] or "?")[:48]
     return f"pid {p['pid']} ({command})"
+
+
+def _printable(text):
+    """`text` with what a terminal would act on (escape sequences, other
+    control characters) written as Python escapes: a command line is
+    whatever its process chose."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
 
 
 def format_segments(rows):
