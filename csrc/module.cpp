@@ -127,7 +127,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("created_here", &Segment::created_here)
       .def("hold_for_device", &Segment::hold_for_device)
       .def("release_for_device", &Segment::release_for_device)
-      .def_property_readonly("held_for_device", &Segment::held_for_device)
       .def_property_readonly("data_frozen", &Segment::data_frozen)
       .def_property("defers_releases", &Segment::defers_releases,
                     &Segment::defer_releases)

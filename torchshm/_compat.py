@@ -119,13 +119,14 @@ def native_import_error(exc, built=None):
     version mismatch only where the build record says so; else the file
     itself is missing or damaged."""
     built = _build_info() if built is None else built
-    if "torch" in built and "numpy" in built and not _fits(built):
+    recorded = "torch" in built and "numpy" in built
+    if recorded and not _fits(built):
         return ImportError(_mismatch_message(built, f" ({exc})"))
     record = (
         f"built for torch {built['torch']} and numpy {built['numpy']}, which"
         f" fit this process's torch {torch.__version__} and numpy"
         f" {np.__version__}"
-        if "torch" in built and "numpy" in built
+        if recorded
         else "without a build record (_build_info.json)"
     )
     return ImportError(

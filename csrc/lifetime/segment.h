@@ -328,7 +328,6 @@ class Segment : public std::enable_shared_from_this<Segment> {
   // copies instead.
   bool hold_for_device();
   void release_for_device();
-  bool held_for_device() const;
   // Another process may write this segment's data through a shared mapping
   // (it was share()d, or a fork child inherited it shared): a plain send of
   // it copies, never freezes (Note [A plain send is as it was]).

@@ -61,11 +61,6 @@ void Segment::release_for_device() {
   held_for_device_ = false;
 }
 
-bool Segment::held_for_device() const {
-  std::lock_guard<std::mutex> guard(mappings_mutex_);
-  return held_for_device_;
-}
-
 bool Segment::data_frozen() const {
   std::lock_guard<std::mutex> guard(mappings_mutex_);
   return data_frozen_;

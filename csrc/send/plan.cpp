@@ -120,8 +120,8 @@ py::object memory_owner(py::handle array) {
 
 Placement Plan::place(PyArrayObject* array) {
   auto [root, nearest] = base_chain(array);
-  // The bytes the array spans, found once and only when needed: a resend by
-  // reference over a shared mapping needs none.
+  // The bytes the array spans, found once: a reference records them
+  // (names_one_memory), a copy copies them.
   std::optional<std::pair<int64_t, int64_t>> spans;
   auto extent = [&] {
     if (!spans) spans = byte_extent(array);

@@ -144,8 +144,9 @@ class FakeRuntime:
                     "invalid argument (read-only memory without"
                     " cudaHostRegisterReadOnly)",
                 )
-            if self.lockable is not None and (
-                sum(n for n, _ in self.registered.values()) + nbytes > self.lockable
+            if (
+                self.lockable is not None
+                and self.registered_bytes() + nbytes > self.lockable
             ):
                 raise CudaError("cudaHostRegister", MEMORY_ALLOCATION, "out of memory")
             if what[0] == "private" and what[3] != "0":  # inode 0: anonymous
